@@ -1,0 +1,181 @@
+"""CHUNK striping: slicing an inner frame into CHUNKs, and reassembling them.
+
+The inner frame is a complete frame (13-byte header included). A sender numbers messages from 0
+per connection generation and deals CHUNKs round-robin over its data streams, the position
+carrying on across messages. A receiver accepts CHUNKs in any order, from any of the group's
+sockets, and checks every rule of spec/striping.md before it copies a byte.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .constants import (
+    CHUNK_ENVELOPE_SIZE,
+    CHUNK_SLICE_SIZE,
+    FRAME_MAGIC,
+    HEADER_SIZE,
+    MAX_PARTIAL_MESSAGES,
+    STRIPED_TYPES,
+    FrameType,
+    Role,
+)
+from .decoder import check_header
+from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from .frames import Buffers, decode_payload, header
+from .limits import Limits
+from .messages import AnyMessage, Chunk, as_byte_view
+from .schema import CHUNK_PREFIX, HEADER_STRUCT
+
+
+def _views(buffers: Sequence[bytes | memoryview], start: int, stop: int) -> list[memoryview]:
+    """Views of bytes ``start:stop`` of the concatenation of ``buffers`` (no copy)."""
+    out: list[memoryview] = []
+    base = 0
+    for buf in buffers:
+        view = as_byte_view(buf)
+        lo, hi = max(start - base, 0), min(stop - base, len(view))
+        if lo < hi:
+            out.append(view[lo:hi])
+        base += len(view)
+        if base >= stop:
+            break
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class StripedFrame:
+    """One outgoing CHUNK: the data stream (0-based DATA_HELLO index) and its buffers."""
+
+    stream_idx: int
+    buffers: Buffers
+
+
+class ChunkSlicer:
+    """Slices inner frames into CHUNK frames over ``num_data_streams`` data sockets."""
+
+    def __init__(self, num_data_streams: int, slice_size: int = CHUNK_SLICE_SIZE) -> None:
+        if num_data_streams < 1:
+            raise LocalProtocolError(ErrorCode.BAD_STREAM_INDEX, "striping needs a data stream")
+        if not 0 < slice_size <= CHUNK_SLICE_SIZE:
+            raise LocalProtocolError(ErrorCode.FRAME_TOO_LARGE, f"slice size {slice_size}")
+        self.num_data_streams = num_data_streams
+        self.slice_size = slice_size
+        self._next_msg_id = 0
+        self._next_stream = 0
+
+    def slice(self, inner_frame: Buffers) -> list[StripedFrame]:
+        total = sum(len(as_byte_view(b)) for b in inner_frame)
+        msg_id = self._next_msg_id
+        self._next_msg_id += 1
+        out = []
+        for offset in range(0, total, self.slice_size):
+            part = _views(inner_frame, offset, min(offset + self.slice_size, total))
+            size = sum(len(v) for v in part)
+            head = header(FrameType.CHUNK, CHUNK_ENVELOPE_SIZE + size) + CHUNK_PREFIX.pack(
+                msg_id, total, offset
+            )
+            out.append(StripedFrame(self._next_stream, [head, *part]))
+            self._next_stream = (self._next_stream + 1) % self.num_data_streams
+        return out
+
+
+class _Partial:
+    __slots__ = ("total_len", "buffer", "spans", "filled")
+
+    def __init__(self, total_len: int) -> None:
+        self.total_len = total_len
+        self.buffer = bytearray(total_len)
+        self.spans: list[tuple[int, int]] = []  # sorted, disjoint [start, end)
+        self.filled = 0
+
+    def overlaps(self, start: int, end: int) -> bool:
+        i = bisect.bisect_left(self.spans, (start, end))
+        if i > 0 and self.spans[i - 1][1] > start:
+            return True
+        return i < len(self.spans) and self.spans[i][0] < end
+
+
+class Reassembler:
+    """Reassembles the CHUNKs one connection group receives; drop it with the group."""
+
+    def __init__(
+        self, receiver: Role, limits: Limits, max_partials: int = MAX_PARTIAL_MESSAGES
+    ) -> None:
+        self.receiver = receiver
+        self.limits = limits
+        self.max_partials = max_partials
+        self.inner_limit = limits.inner_limit(receiver)
+        self._partials: dict[int, _Partial] = {}
+
+    @property
+    def pending(self) -> int:
+        return len(self._partials)
+
+    def clear(self) -> None:
+        self._partials.clear()
+
+    def add(self, chunk: Chunk) -> AnyMessage | None:
+        """Take one CHUNK; return the decoded inner message once it is complete."""
+        size = len(chunk.data)
+        if size == 0:
+            raise RemoteProtocolError(ErrorCode.CHUNK_EMPTY, f"message {chunk.msg_id}")
+        if chunk.offset + size > chunk.total_len:
+            raise RemoteProtocolError(
+                ErrorCode.CHUNK_OUT_OF_BOUNDS,
+                f"message {chunk.msg_id}: {chunk.offset}+{size} > {chunk.total_len}",
+            )
+        partial = self._partials.get(chunk.msg_id)
+        if partial is None:
+            if chunk.total_len > self.inner_limit:
+                raise RemoteProtocolError(
+                    ErrorCode.CHUNK_TOTAL_TOO_LARGE,
+                    f"message {chunk.msg_id}: {chunk.total_len} > {self.inner_limit}",
+                )
+            if chunk.total_len < HEADER_SIZE:
+                raise RemoteProtocolError(
+                    ErrorCode.BAD_INNER_FRAME, f"message {chunk.msg_id} shorter than a header"
+                )
+            if len(self._partials) >= self.max_partials:
+                raise RemoteProtocolError(
+                    ErrorCode.TOO_MANY_PARTIALS, f"more than {self.max_partials} partial messages"
+                )
+            partial = _Partial(chunk.total_len)
+            self._partials[chunk.msg_id] = partial
+        elif chunk.total_len != partial.total_len:
+            raise RemoteProtocolError(
+                ErrorCode.CHUNK_TOTAL_CHANGED,
+                f"message {chunk.msg_id}: total {chunk.total_len} != {partial.total_len}",
+            )
+        end = chunk.offset + size
+        if partial.overlaps(chunk.offset, end):
+            raise RemoteProtocolError(
+                ErrorCode.CHUNK_OVERLAP, f"message {chunk.msg_id}: bytes {chunk.offset}..{end}"
+            )
+        partial.buffer[chunk.offset : end] = chunk.data
+        bisect.insort(partial.spans, (chunk.offset, end))
+        partial.filled += size
+        if partial.filled < partial.total_len:
+            return None
+        del self._partials[chunk.msg_id]
+        return decode_inner_frame(partial.buffer, self.receiver, self.limits)
+
+
+def decode_inner_frame(frame: bytearray | bytes, receiver: Role, limits: Limits) -> AnyMessage:
+    """Decode a reassembled inner frame: a striped type, in direction, with ``len`` = size − 13."""
+    view = memoryview(frame)
+    magic, raw_type, length = HEADER_STRUCT.unpack_from(view)
+    if magic != FRAME_MAGIC:
+        raise RemoteProtocolError(ErrorCode.BAD_INNER_FRAME, f"inner magic 0x{magic:08X}")
+    if length != len(view) - HEADER_SIZE:
+        raise RemoteProtocolError(
+            ErrorCode.BAD_INNER_FRAME, f"inner len {length} != total_len - 13 ({len(view) - 13})"
+        )
+    if raw_type not in {int(t) for t in STRIPED_TYPES}:
+        raise RemoteProtocolError(ErrorCode.BAD_INNER_FRAME, f"type {raw_type} is never striped")
+    frame_type = check_header(
+        magic, raw_type, length, receiver=receiver, limits=limits, first_frame=False
+    )
+    return decode_payload(frame_type, view[HEADER_SIZE:], limits=limits)

@@ -1,0 +1,277 @@
+"""A sans-IO, incremental frame decoder for one socket.
+
+``feed(data)`` copies bytes straight into the buffer of the frame they belong to (one copy; the
+payload buffer is allocated only after the 13-byte header passed every check), and
+``next_frame()`` hands out decoded messages in order, then ``NEED_DATA``. ``feed(b"")`` marks the
+end of the stream: a frame cut short is then an error, and a clean end reads as ``CLOSED``.
+
+A syncer-side decoder starts in the pre-session state: the first frame must be HELLO or
+DATA_HELLO within 16 MiB. Once that frame is out, bytes that follow wait until the owner calls
+:meth:`FrameDecoder.set_limits` with the session's :class:`~yeto_proto.limits.Limits`.
+
+A fatal error poisons the decoder: it is raised after the frames that preceded it, and again
+on every later call.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+
+from .constants import (
+    CHUNK_ENVELOPE_SIZE,
+    EXACT_PAYLOAD_SIZES,
+    FIRST_FRAME_LIMIT,
+    FIRST_FRAME_TYPES,
+    FRAME_MAGIC,
+    HEADER_SIZE,
+    SENDABLE,
+    FrameType,
+    Role,
+)
+from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
+from .frames import decode_payload
+from .limits import Limits
+from .messages import AnyMessage, as_byte_view
+from .schema import HEADER_STRUCT
+
+_KNOWN_TYPES = {int(t) for t in FrameType}
+
+
+class DecoderState(enum.Enum):
+    NEED_DATA = "NEED_DATA"
+    CLOSED = "CLOSED"
+
+
+NEED_DATA = DecoderState.NEED_DATA
+CLOSED = DecoderState.CLOSED
+
+
+def check_header(
+    magic: int,
+    raw_type: int,
+    length: int,
+    *,
+    receiver: Role,
+    limits: Limits | None,
+    first_frame: bool,
+) -> FrameType:
+    """Validate a frame header before any payload byte is read; return its type."""
+    if magic != FRAME_MAGIC:
+        raise RemoteProtocolError(ErrorCode.BAD_MAGIC, f"magic 0x{magic:08X}")
+    if first_frame:
+        if raw_type not in FIRST_FRAME_TYPES:
+            raise RemoteProtocolError(
+                ErrorCode.INVALID_FIRST_FRAME,
+                f"invalid first frame: type {raw_type} (expected HELLO or DATA_HELLO)",
+            )
+        frame_type = FrameType(raw_type)
+        if frame_type is FrameType.DATA_HELLO:
+            _check_exact(frame_type, length)
+        elif length > FIRST_FRAME_LIMIT:
+            raise RemoteProtocolError(
+                ErrorCode.FRAME_TOO_LARGE, f"first frame of {length} bytes exceeds 16 MiB"
+            )
+        return frame_type
+    if raw_type not in _KNOWN_TYPES:
+        raise RemoteProtocolError(ErrorCode.UNKNOWN_FRAME_TYPE, f"frame type {raw_type}")
+    frame_type = FrameType(raw_type)
+    if frame_type not in SENDABLE[receiver.peer]:
+        raise RemoteProtocolError(
+            ErrorCode.WRONG_DIRECTION, f"a {receiver.peer.value} may not send {frame_type.name}"
+        )
+    if frame_type in FIRST_FRAME_TYPES:
+        raise RemoteProtocolError(
+            ErrorCode.UNEXPECTED_HELLO, f"{frame_type.name} is only legal as the first frame"
+        )
+    if frame_type in EXACT_PAYLOAD_SIZES:
+        _check_exact(frame_type, length)
+        return frame_type
+    if limits is None:
+        raise LocalProtocolError(ErrorCode.FRAME_TOO_LARGE, "no limits: call set_limits first")
+    limit = limits.payload_limit(frame_type)
+    if frame_type is FrameType.FINAL_MANIFEST and length != limit:
+        raise RemoteProtocolError(
+            ErrorCode.BAD_FRAME_LENGTH, f"FINAL_MANIFEST of {length} bytes, expected {limit}"
+        )
+    if length > limit:
+        raise RemoteProtocolError(
+            ErrorCode.FRAME_TOO_LARGE, f"{frame_type.name} of {length} bytes exceeds {limit}"
+        )
+    if frame_type is FrameType.CHUNK and length <= CHUNK_ENVELOPE_SIZE:
+        empty = length == CHUNK_ENVELOPE_SIZE
+        code = ErrorCode.CHUNK_EMPTY if empty else ErrorCode.TRUNCATED_PAYLOAD
+        raise RemoteProtocolError(code, f"CHUNK of {length} bytes carries no data")
+    return frame_type
+
+
+def _check_exact(frame_type: FrameType, length: int) -> None:
+    expected = EXACT_PAYLOAD_SIZES[frame_type]
+    if length != expected:
+        raise RemoteProtocolError(
+            ErrorCode.BAD_FRAME_LENGTH, f"{frame_type.name} of {length} bytes, expected {expected}"
+        )
+
+
+class FrameDecoder:
+    """Incremental decoder for the frames one peer sends on one socket.
+
+    ``receiver`` is our side. ``enforce_first_frame`` defaults to True for a syncer.
+    ``num_learners`` lets HELLO/DATA_HELLO parsing check the learner id in its pinned place.
+    """
+
+    def __init__(
+        self,
+        receiver: Role,
+        *,
+        limits: Limits | None = None,
+        num_learners: int | None = None,
+        hello_key: bytes | None = None,
+        enforce_first_frame: bool | None = None,
+    ) -> None:
+        self.receiver = receiver
+        self._limits = limits
+        self._num_learners = num_learners
+        self._hello_key = hello_key
+        self._first_pending = (
+            receiver is Role.SYNCER if enforce_first_frame is None else enforce_first_frame
+        )
+        if receiver is Role.LEARNER and limits is None:
+            raise LocalProtocolError(ErrorCode.FRAME_TOO_LARGE, "a learner decoder needs limits")
+        self._head = bytearray()
+        self._frame_type: FrameType | None = None
+        self._payload: bytearray | None = None
+        self._filled = 0
+        self._ready: deque[tuple[FrameType, bytearray]] = deque()
+        self._stash: bytearray | None = None  # bytes waiting for set_limits
+        self._error: ProtocolError | None = None
+        self._eof = False
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def limits(self) -> Limits | None:
+        return self._limits
+
+    @property
+    def mid_frame(self) -> bool:
+        return bool(self._head) or self._payload is not None or bool(self._stash)
+
+    def set_limits(self, limits: Limits) -> None:
+        """Install the session limits; bytes held back since the first frame are decoded now."""
+        self._limits = limits
+        stash, self._stash = self._stash, None
+        if stash:
+            self._consume(memoryview(stash))
+
+    # -- input -----------------------------------------------------------------------------
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._eof:
+            raise LocalProtocolError(ErrorCode.CONNECTION_CLOSED_MID_FRAME, "fed after EOF")
+        view = as_byte_view(data)
+        if not len(view):
+            self._eof = True
+            return
+        if self._error is not None:
+            return
+        if self._stash is not None:
+            self._stash += view
+            return
+        self._consume(view)
+
+    def _consume(self, view: memoryview) -> None:
+        pos, end = 0, len(view)
+        while pos < end:
+            if self._payload is None:
+                take = min(HEADER_SIZE - len(self._head), end - pos)
+                self._head += view[pos : pos + take]
+                pos += take
+                if len(self._head) < HEADER_SIZE:
+                    return
+                try:
+                    self._start_frame()
+                except ProtocolError as exc:
+                    self._error = exc
+                    return
+            else:
+                assert self._payload is not None
+                take = min(len(self._payload) - self._filled, end - pos)
+                self._payload[self._filled : self._filled + take] = view[pos : pos + take]
+                self._filled += take
+                pos += take
+            if self._payload is not None and self._filled == len(self._payload):
+                self._finish_frame()
+                if self._awaiting_limits():
+                    self._stash = bytearray(view[pos:])
+                    return
+
+    def _awaiting_limits(self) -> bool:
+        return self.receiver is Role.SYNCER and self._limits is None and not self._first_pending
+
+    def _start_frame(self) -> None:
+        magic, raw_type, length = HEADER_STRUCT.unpack(self._head)
+        self._frame_type = check_header(
+            magic,
+            raw_type,
+            length,
+            receiver=self.receiver,
+            limits=self._limits,
+            first_frame=self._first_pending,
+        )
+        try:
+            self._payload = bytearray(length)
+        except MemoryError:
+            raise RemoteProtocolError(
+                ErrorCode.FRAME_TOO_LARGE, f"cannot allocate {length} bytes"
+            ) from None
+        self._filled = 0
+
+    def _finish_frame(self) -> None:
+        assert self._frame_type is not None and self._payload is not None
+        self._ready.append((self._frame_type, self._payload))
+        self._head.clear()
+        self._payload = None
+        self._frame_type = None
+        self._first_pending = False
+
+    # -- output ----------------------------------------------------------------------------
+    def next_frame(self) -> AnyMessage | DecoderState:
+        if self._ready:
+            frame_type, payload = self._ready.popleft()
+            try:
+                return decode_payload(
+                    frame_type,
+                    memoryview(payload),
+                    limits=self._limits,
+                    num_learners=self._num_learners,
+                    hello_key=self._hello_key,
+                )
+            except RemoteProtocolError as exc:
+                self._poison(exc)
+                raise
+        if self._error is not None:
+            raise self._error
+        if self._eof:
+            if self.mid_frame:
+                self._poison(
+                    RemoteProtocolError(
+                        ErrorCode.CONNECTION_CLOSED_MID_FRAME, "stream ended inside a frame"
+                    )
+                )
+                assert self._error is not None
+                raise self._error
+            return CLOSED
+        return NEED_DATA
+
+    def _poison(self, exc: ProtocolError) -> None:
+        self._error = exc
+        self._ready.clear()
+        self._stash = None
+
+    def frames(self) -> list[AnyMessage]:
+        """Every frame decodable now (convenience for tests and simple loops)."""
+        out: list[AnyMessage] = []
+        while True:
+            item = self.next_frame()
+            if isinstance(item, DecoderState):
+                return out
+            out.append(item)

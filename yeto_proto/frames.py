@@ -1,0 +1,280 @@
+"""Message <-> frame bytes.
+
+``encode`` returns a list of buffers (header and fixed fields in one small ``bytes``, then the
+tensor view untouched) for ``socket.sendmsg``/writev. ``decode_payload`` turns one validated
+payload into a message; tensor bytes stay views into the received buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from construct import ConstructError, StreamError, TerminatedError
+
+from .constants import FRAME_MAGIC, PROTOCOL_VERSION, FrameType, WireDtype
+from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from .identity import sign_hello, verify_hello
+from .layout import WireFragment, WireLayout
+from .limits import Limits
+from .messages import (
+    MESSAGE_CLASSES,
+    AnyMessage,
+    BcastFragment,
+    Chunk,
+    DataHello,
+    ErrorMessage,
+    FinalAck,
+    FinalFragment,
+    FinalManifest,
+    Hello,
+    InitParams,
+    PullReq,
+    PushFragment,
+    Shutdown,
+)
+from .schema import (
+    HEADER_STRUCT,
+    PAYLOADS,
+    PREFIX_STRUCTS,
+    CodedConstructError,
+    DataHelloPayload,
+    FinalAckPayload,
+    FinalManifestPayload,
+    HelloPayload,
+)
+
+Buffers = list[bytes | memoryview]
+
+_TENSOR_CLASSES = (InitParams, PushFragment, BcastFragment, FinalFragment, Chunk)
+_WITH_TENSOR = {cls.TYPE for cls in _TENSOR_CLASSES}
+_PREFIX_FIELDS: dict[FrameType, tuple[str, ...]] = {
+    FrameType.INIT_PARAMS: ("fragment_id",),
+    FrameType.PUSH_FRAGMENT: (
+        "learner_id",
+        "fragment_id",
+        "global_step",
+        "round_attempt",
+        "base_version",
+        "local_step",
+        "c_steps",
+        "c_tokens",
+    ),
+    FrameType.BCAST_FRAGMENT: ("fragment_id", "version"),
+    FrameType.FINAL_FRAGMENT: ("fragment_id", "version"),
+    FrameType.CHUNK: ("msg_id", "total_len", "offset"),
+    FrameType.PULL_REQ: ("fragment_id", "global_step", "round_attempt"),
+    FrameType.HEARTBEAT: ("learner_id", "local_step"),
+    FrameType.BUDGET_DONE: ("exact_local_steps",),
+    FrameType.SHUTDOWN: (),
+}
+
+
+def header(frame_type: FrameType, payload_len: int) -> bytes:
+    return HEADER_STRUCT.pack(FRAME_MAGIC, frame_type, payload_len)
+
+
+def _hello_body(message: Hello) -> bytes:
+    fragments = [
+        {
+            "merge_mode": int(f.merge_mode),
+            "num_tensors": len(f.numels),
+            "numels": f.numels,
+            "matrix_shapes": [{"rows": r, "cols": c} for r, c in f.matrix_shapes] or None,
+        }
+        for f in message.layout.fragments
+    ]
+    body: bytes = HelloPayload.build(
+        {
+            "protocol_version": PROTOCOL_VERSION,
+            "learner_id": message.learner_id,
+            "connection_generation": message.generation,
+            "dtype": int(message.dtype),
+            "num_fragments": len(fragments),
+            "fragments": fragments,
+            "layout_fingerprint": message.layout_fingerprint,
+            "session_contract_hash": message.session_contract,
+            "syncer_profile_hash": message.profile_hash,
+            "num_streams": message.num_streams,
+        }
+    )
+    return body
+
+
+def _small_payload(message: AnyMessage, hello_key: bytes | None) -> bytes:
+    match message:
+        case Hello():
+            body = _hello_body(message)
+            return sign_hello(hello_key, body) if hello_key is not None else body
+        case DataHello():
+            built: bytes = DataHelloPayload.build(
+                {
+                    "protocol_version": PROTOCOL_VERSION,
+                    "learner_id": message.learner_id,
+                    "connection_generation": message.generation,
+                    "stream_idx": message.stream_idx,
+                }
+            )
+            return built
+        case FinalManifest():
+            built = FinalManifestPayload.build(
+                {
+                    "revision": 1,
+                    "final_global_step": message.final_global_step,
+                    "num_fragments": len(message.expected_versions),
+                    "expected_versions": message.expected_versions,
+                }
+            )
+            return built
+        case FinalAck():
+            built = FinalAckPayload.build(
+                {"revision": 1, "final_global_step": message.final_global_step}
+            )
+            return built
+        case ErrorMessage():
+            return message.text.encode("utf-8")
+    raise AssertionError(type(message))
+
+
+def encode(message: AnyMessage, *, hello_key: bytes | None = None) -> Buffers:
+    """Frame ``message`` as buffers to write in order; tensor bytes are not copied."""
+    frame_type = message.TYPE
+    fields = _PREFIX_FIELDS.get(frame_type)
+    if fields is None:
+        payload = _small_payload(message, hello_key)
+        return [header(frame_type, len(payload)) + payload]
+    prefix = PREFIX_STRUCTS[frame_type]
+    values = [getattr(message, name) for name in fields]
+    if not isinstance(message, _TENSOR_CLASSES):
+        return [header(frame_type, prefix.size) + prefix.pack(*values)]
+    data = message.data
+    head = header(frame_type, prefix.size + len(data)) + prefix.pack(*values)
+    return [head, data] if len(data) else [head]
+
+
+def encode_bytes(message: AnyMessage, *, hello_key: bytes | None = None) -> bytes:
+    """The whole frame as one ``bytes`` (copies; for small frames, tests and vectors)."""
+    return b"".join(encode(message, hello_key=hello_key))
+
+
+# -- decoding -----------------------------------------------------------------------------------
+
+
+def _parse_with_schema(
+    frame_type: FrameType, payload: memoryview, **context: Any
+) -> Any:
+    try:
+        return PAYLOADS[frame_type].parse(bytes(payload), **context)
+    except CodedConstructError as exc:
+        raise RemoteProtocolError(exc.code, f"{frame_type.name}: {exc.args[0]}") from None
+    except TerminatedError:
+        raise RemoteProtocolError(
+            ErrorCode.TRAILING_BYTES, f"{frame_type.name}: trailing bytes"
+        ) from None
+    except StreamError:
+        raise RemoteProtocolError(
+            ErrorCode.TRUNCATED_PAYLOAD, f"{frame_type.name}: payload ends inside a field"
+        ) from None
+    except ConstructError as exc:  # anything else the schema refuses
+        raise RemoteProtocolError(
+            ErrorCode.TRUNCATED_PAYLOAD, f"{frame_type.name}: {exc}"
+        ) from None
+
+
+def _hello_from(parsed: Any) -> Hello:
+    fragments = tuple(
+        WireFragment(
+            f.merge_mode,
+            tuple(f.numels),
+            tuple((s.rows, s.cols) for s in f.matrix_shapes) if f.matrix_shapes else (),
+        )
+        for f in parsed.fragments
+    )
+    return Hello(
+        learner_id=parsed.learner_id,
+        generation=parsed.connection_generation,
+        dtype=WireDtype(parsed.dtype),
+        layout=WireLayout(fragments),
+        layout_fingerprint=parsed.layout_fingerprint,
+        session_contract=parsed.session_contract_hash,
+        num_streams=parsed.num_streams,
+        profile_hash=parsed.syncer_profile_hash,
+    )
+
+
+def decode_payload(
+    frame_type: FrameType,
+    payload: memoryview,
+    *,
+    limits: Limits | None = None,
+    num_learners: int | None = None,
+    hello_key: bytes | None = None,
+) -> AnyMessage:
+    """Decode one payload whose type, direction and length the caller already validated.
+
+    With ``limits``, fragment ids and exact tensor lengths are checked too.
+    """
+    try:
+        return _decode_payload(frame_type, payload, limits, num_learners, hello_key)
+    except LocalProtocolError as exc:  # a constructor refused what the peer sent
+        raise RemoteProtocolError(exc.code, exc.detail) from None
+
+
+def _decode_payload(
+    frame_type: FrameType,
+    payload: memoryview,
+    limits: Limits | None,
+    num_learners: int | None,
+    hello_key: bytes | None,
+) -> AnyMessage:
+    match frame_type:
+        case FrameType.HELLO:
+            body = verify_hello(hello_key, payload) if hello_key is not None else payload
+            return _hello_from(_parse_with_schema(frame_type, body, num_learners=num_learners))
+        case FrameType.DATA_HELLO:
+            p = _parse_with_schema(frame_type, payload, num_learners=num_learners)
+            return DataHello(p.learner_id, p.connection_generation, p.stream_idx)
+        case FrameType.FINAL_ACK:
+            return FinalAck(_parse_with_schema(frame_type, payload).final_global_step)
+        case FrameType.FINAL_MANIFEST:
+            p = _parse_with_schema(frame_type, payload)
+            if limits is not None and p.num_fragments != limits.num_fragments:
+                raise RemoteProtocolError(
+                    ErrorCode.BAD_MANIFEST,
+                    f"manifest lists {p.num_fragments} fragments, session has "
+                    f"{limits.num_fragments}",
+                )
+            return FinalManifest(p.final_global_step, p.expected_versions)
+        case FrameType.ERROR:
+            try:
+                return ErrorMessage(str(payload, "utf-8"))
+            except UnicodeDecodeError:
+                raise RemoteProtocolError(ErrorCode.INVALID_UTF8, "ERROR text") from None
+        case FrameType.SHUTDOWN:
+            return Shutdown()
+    prefix = PREFIX_STRUCTS[frame_type]
+    if len(payload) < prefix.size:
+        raise RemoteProtocolError(
+            ErrorCode.TRUNCATED_PAYLOAD, f"{frame_type.name} shorter than its fixed fields"
+        )
+    values = prefix.unpack_from(payload)
+    cls = MESSAGE_CLASSES[frame_type]
+    build: Any = cls  # the prefix struct was generated from this class's schema
+    if frame_type not in _WITH_TENSOR:
+        small: AnyMessage = build(*values)
+        if limits is not None and isinstance(small, PullReq):
+            limits.check_fragment(small.fragment_id)
+        return small
+    data = payload[prefix.size :]
+    message: AnyMessage = build(*values, data=data)
+    if limits is not None and not isinstance(message, Chunk):
+        fragment_id: int = values[1] if frame_type is FrameType.PUSH_FRAGMENT else values[0]
+        limits.check_fragment(fragment_id)
+        expected = limits.tensor_bytes(frame_type, fragment_id)
+        if len(data) != expected:
+            raise RemoteProtocolError(
+                ErrorCode.BAD_TENSOR_LENGTH,
+                f"{frame_type.name} fragment {fragment_id}: {len(data)} bytes, "
+                f"expected {expected}",
+            )
+    return message
+

@@ -1,0 +1,202 @@
+"""Fragment layouts: the numeric layout HELLO carries, and the named layout behind its fingerprint.
+
+``WireLayout`` is what the syncer sees and decodes with. ``Layout`` adds tensor names and full
+shapes; the learner derives the HELLO layout and the layout fingerprint from it, and
+``yeto checkpoint export`` maps flat fragments back to named tensors with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .constants import MergeMode
+from .errors import ErrorCode, LocalProtocolError
+
+FINGERPRINT_DOMAIN = b"yeto-layout-v1\0"
+LAYOUT_FILE_FORMAT = "yeto-layout-v1"
+_U64_MAX = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class WireFragment:
+    """One fragment as HELLO describes it: merge mode, tensor numels, iso matrix shapes."""
+
+    merge_mode: MergeMode
+    numels: tuple[int, ...]
+    #: (rows, cols) per tensor for iso fragments; empty otherwise.
+    matrix_shapes: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "merge_mode", MergeMode(self.merge_mode))
+        if not self.numels:
+            raise LocalProtocolError(ErrorCode.EMPTY_FRAGMENT, "a fragment needs a tensor")
+        if any(n <= 0 or n > _U64_MAX for n in self.numels):
+            raise LocalProtocolError(ErrorCode.ZERO_NUMEL, "every numel must be in 1..2^64-1")
+        if sum(self.numels) > _U64_MAX:
+            raise LocalProtocolError(ErrorCode.SIZE_OVERFLOW, "fragment numel overflows u64")
+        if self.merge_mode is MergeMode.ISO:
+            if len(self.matrix_shapes) != len(self.numels):
+                raise LocalProtocolError(ErrorCode.BAD_ISO_SHAPE, "iso needs rows, cols per tensor")
+            for (rows, cols), numel in zip(self.matrix_shapes, self.numels, strict=True):
+                if rows <= 0 or cols <= 0 or rows * cols != numel:
+                    raise LocalProtocolError(
+                        ErrorCode.BAD_ISO_SHAPE, f"iso {rows}x{cols} does not cover numel {numel}"
+                    )
+        elif self.matrix_shapes:
+            raise LocalProtocolError(ErrorCode.BAD_ISO_SHAPE, "only iso fragments carry shapes")
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+
+@dataclass(frozen=True, slots=True)
+class WireLayout:
+    fragments: tuple[WireFragment, ...]
+
+    def __post_init__(self) -> None:
+        if not self.fragments:
+            raise LocalProtocolError(ErrorCode.NO_FRAGMENTS, "a layout needs a fragment")
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(f.numel for f in self.fragments)
+
+    @property
+    def max_numel(self) -> int:
+        return max(self.numels)
+
+    def __len__(self) -> int:
+        return len(self.fragments)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if any(d <= 0 for d in self.shape):
+            raise LocalProtocolError(ErrorCode.ZERO_NUMEL, f"{self.name}: empty shape {self.shape}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """Row-major rows x cols used by iso: the first dimension against the rest."""
+        if len(self.shape) < 2:
+            raise LocalProtocolError(ErrorCode.BAD_ISO_SHAPE, f"{self.name}: iso needs ndim >= 2")
+        return self.shape[0], self.numel // self.shape[0]
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentSpec:
+    merge_mode: MergeMode
+    tensors: tuple[TensorSpec, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "merge_mode", MergeMode(self.merge_mode))
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    def wire(self) -> WireFragment:
+        shapes = (
+            tuple(t.matrix_shape for t in self.tensors) if self.merge_mode is MergeMode.ISO else ()
+        )
+        return WireFragment(self.merge_mode, tuple(t.numel for t in self.tensors), shapes)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Named fragments in HELLO order; tensors concatenate in order inside a fragment."""
+
+    fragments: tuple[FragmentSpec, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fragments", tuple(self.fragments))
+        self.wire()  # validates every fragment
+        names = [t.name for f in self.fragments for t in f.tensors]
+        if len(set(names)) != len(names):
+            raise LocalProtocolError(ErrorCode.SESSION_LAYOUT_MISMATCH, "tensor names repeat")
+
+    def wire(self) -> WireLayout:
+        return WireLayout(tuple(f.wire() for f in self.fragments))
+
+    def fingerprint(self) -> bytes:
+        return layout_fingerprint(self)
+
+    def offsets(self) -> list[list[tuple[TensorSpec, int]]]:
+        """Per fragment, each tensor with its element offset inside the flat fragment."""
+        out: list[list[tuple[TensorSpec, int]]] = []
+        for fragment in self.fragments:
+            at = 0
+            placed = []
+            for tensor in fragment.tensors:
+                placed.append((tensor, at))
+                at += tensor.numel
+            out.append(placed)
+        return out
+
+    # -- the layout file (spec/checkpoint.md) -----------------------------------------------
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "format": LAYOUT_FILE_FORMAT,
+            "fingerprint": self.fingerprint().hex(),
+            "fragments": [
+                {
+                    "merge_mode": f.merge_mode.name.lower(),
+                    "tensors": [{"name": t.name, "shape": list(t.shape)} for t in f.tensors],
+                }
+                for f in self.fragments
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_json_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_json_dict(cls, data: Mapping[str, Any]) -> Layout:
+        if data.get("format") != LAYOUT_FILE_FORMAT:
+            raise ValueError(f"layout file format must be {LAYOUT_FILE_FORMAT!r}")
+        fragments = []
+        for raw in data["fragments"]:
+            mode = MergeMode[str(raw["merge_mode"]).upper()]
+            tensors = tuple(TensorSpec(str(t["name"]), tuple(t["shape"])) for t in raw["tensors"])
+            fragments.append(FragmentSpec(mode, tensors))
+        layout = cls(tuple(fragments))
+        declared = data.get("fingerprint")
+        if declared is not None and declared != layout.fingerprint().hex():
+            raise ValueError("layout file fingerprint does not match its fragments")
+        return layout
+
+    @classmethod
+    def from_json(cls, text: str) -> Layout:
+        return cls.from_json_dict(json.loads(text))
+
+
+def layout_fingerprint(layout: Layout) -> bytes:
+    """SHA-256 over the canonical encoding pinned in spec/identity.md."""
+    h = hashlib.sha256(FINGERPRINT_DOMAIN)
+    h.update(struct.pack("<I", len(layout.fragments)))
+    for fragment in layout.fragments:
+        h.update(struct.pack("<BI", fragment.merge_mode, len(fragment.tensors)))
+        for tensor in fragment.tensors:
+            name = tensor.name.encode("utf-8")
+            h.update(struct.pack("<I", len(name)))
+            h.update(name)
+            h.update(struct.pack("<QI", tensor.numel, len(tensor.shape)))
+            h.update(struct.pack(f"<{len(tensor.shape)}Q", *tensor.shape))
+    return h.digest()
+
