@@ -109,6 +109,10 @@ class Reassembler:
         self.max_partials = max_partials
         self.inner_limit = limits.inner_limit(receiver)
         self._partials: dict[int, _Partial] = {}
+        # msg_ids count up from 0 per generation: every id below the floor, and those in the
+        # set, are complete, so a late duplicate of a finished message is still an overlap.
+        self._done_floor = 0
+        self._done_above_floor: set[int] = set()
 
     @property
     def pending(self) -> int:
@@ -116,6 +120,15 @@ class Reassembler:
 
     def clear(self) -> None:
         self._partials.clear()
+
+    def _is_done(self, msg_id: int) -> bool:
+        return msg_id < self._done_floor or msg_id in self._done_above_floor
+
+    def _mark_done(self, msg_id: int) -> None:
+        self._done_above_floor.add(msg_id)
+        while self._done_floor in self._done_above_floor:
+            self._done_above_floor.remove(self._done_floor)
+            self._done_floor += 1
 
     def add(self, chunk: Chunk) -> AnyMessage | None:
         """Take one CHUNK; return the decoded inner message once it is complete."""
@@ -126,6 +139,10 @@ class Reassembler:
             raise RemoteProtocolError(
                 ErrorCode.CHUNK_OUT_OF_BOUNDS,
                 f"message {chunk.msg_id}: {chunk.offset}+{size} > {chunk.total_len}",
+            )
+        if self._is_done(chunk.msg_id):
+            raise RemoteProtocolError(
+                ErrorCode.CHUNK_OVERLAP, f"message {chunk.msg_id} was already complete"
             )
         partial = self._partials.get(chunk.msg_id)
         if partial is None:
@@ -142,7 +159,13 @@ class Reassembler:
                 raise RemoteProtocolError(
                     ErrorCode.TOO_MANY_PARTIALS, f"more than {self.max_partials} partial messages"
                 )
-            partial = _Partial(chunk.total_len)
+            try:
+                partial = _Partial(chunk.total_len)
+            except (MemoryError, OverflowError):  # within the limit, beyond this machine
+                raise RemoteProtocolError(
+                    ErrorCode.CHUNK_TOTAL_TOO_LARGE,
+                    f"message {chunk.msg_id}: cannot allocate {chunk.total_len} bytes",
+                ) from None
             self._partials[chunk.msg_id] = partial
         elif chunk.total_len != partial.total_len:
             raise RemoteProtocolError(
@@ -160,12 +183,15 @@ class Reassembler:
         if partial.filled < partial.total_len:
             return None
         del self._partials[chunk.msg_id]
+        self._mark_done(chunk.msg_id)
         return decode_inner_frame(partial.buffer, self.receiver, self.limits)
 
 
 def decode_inner_frame(frame: bytearray | bytes, receiver: Role, limits: Limits) -> AnyMessage:
     """Decode a reassembled inner frame: a striped type, in direction, with ``len`` = size − 13."""
     view = memoryview(frame)
+    if len(view) < HEADER_SIZE:
+        raise RemoteProtocolError(ErrorCode.BAD_INNER_FRAME, "inner frame shorter than a header")
     magic, raw_type, length = HEADER_STRUCT.unpack_from(view)
     if magic != FRAME_MAGIC:
         raise RemoteProtocolError(ErrorCode.BAD_INNER_FRAME, f"inner magic 0x{magic:08X}")

@@ -219,7 +219,7 @@ class FrameDecoder:
         )
         try:
             self._payload = bytearray(length)
-        except MemoryError:
+        except (MemoryError, OverflowError):  # OverflowError: len beyond the address space
             raise RemoteProtocolError(
                 ErrorCode.FRAME_TOO_LARGE, f"cannot allocate {length} bytes"
             ) from None

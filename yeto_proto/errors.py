@@ -61,6 +61,10 @@ class ErrorCode(enum.Enum):
     DUPLICATE_GENERATION = "DUPLICATE_GENERATION"
     DUPLICATE_STREAM = "DUPLICATE_STREAM"
     UNKNOWN_GROUP = "UNKNOWN_GROUP"
+    #: The first frame, or a group's data streams, did not arrive within the syncer's deadline.
+    HANDSHAKE_TIMEOUT = "HANDSHAKE_TIMEOUT"
+    #: A group sent more messages than the syncer holds while its data streams attach.
+    GROUP_NOT_READY = "GROUP_NOT_READY"
     LEARNER_ID_MISMATCH = "LEARNER_ID_MISMATCH"
     INIT_NOT_ALLOWED = "INIT_NOT_ALLOWED"
     # -- message contents ---------------------------------------------------------------------
@@ -79,6 +83,8 @@ class ErrorCode(enum.Enum):
     BUDGET_MISMATCH = "BUDGET_MISMATCH"
     DUPLICATE_BUDGET_DONE = "DUPLICATE_BUDGET_DONE"
     SYNCER_ERROR = "SYNCER_ERROR"
+    #: local only: a learner driver called its session out of order (spec/learner.md).
+    SESSION_MISUSE = "SESSION_MISUSE"
     # -- striping -----------------------------------------------------------------------------
     CHUNK_EMPTY = "CHUNK_EMPTY"
     CHUNK_OUT_OF_BOUNDS = "CHUNK_OUT_OF_BOUNDS"
@@ -103,6 +109,11 @@ class ErrorCode(enum.Enum):
     CKPT_BAD_FIELD = "CKPT_BAD_FIELD"
     CKPT_BAD_MARKER = "CKPT_BAD_MARKER"
     CKPT_IO = "CKPT_IO"
+    CKPT_BAD_LAYOUT = "CKPT_BAD_LAYOUT"
+    CKPT_LAYOUT_MISMATCH = "CKPT_LAYOUT_MISMATCH"
+    CKPT_IDENTITY_REQUIRED = "CKPT_IDENTITY_REQUIRED"
+    #: The syncer's checkpoint may not seed the session the first HELLO describes.
+    CKPT_RESUME_INELIGIBLE = "CKPT_RESUME_INELIGIBLE"
 
     @property
     def severity(self) -> Severity:

@@ -211,7 +211,11 @@ class ErrorMessage(Message):
     text: str
 
     def __post_init__(self) -> None:
-        if len(self.text.encode("utf-8", "surrogatepass")) > ERROR_TEXT_LIMIT:
+        try:
+            encoded = self.text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate has no UTF-8 form
+            raise LocalProtocolError(ErrorCode.INVALID_UTF8, "ERROR text is not UTF-8") from None
+        if len(encoded) > ERROR_TEXT_LIMIT:
             raise LocalProtocolError(ErrorCode.FRAME_TOO_LARGE, "ERROR text over 65,536 bytes")
 
 

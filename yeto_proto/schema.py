@@ -59,6 +59,11 @@ MAX_FRAGMENT_NUMEL = (_U64_MAX - 13 - 64) // 4
 Predicate = Callable[[Any, int], bool]
 
 
+def _remaining(stream: io.BytesIO) -> int:
+    """Bytes left in ``stream``; construct's sized substreams shift ``tell()`` by their offset."""
+    return len(stream.getbuffer()) - io.BytesIO.tell(stream)
+
+
 class CodedConstructError(ConstructError):  # type: ignore[misc]
     """A construct validation failure that knows its yeto error code."""
 
@@ -81,7 +86,7 @@ class Require(Construct):  # type: ignore[misc]
         self.flagbuildnone = True
 
     def _parse(self, stream: io.BytesIO, context: Any, path: str) -> None:
-        if not self.predicate(context, len(stream.getbuffer()) - stream.tell()):
+        if not self.predicate(context, _remaining(stream)):
             raise CodedConstructError(self.code, self.message)
 
     def _build(self, obj: Any, stream: io.BytesIO, context: Any, path: str) -> Any:
@@ -115,7 +120,7 @@ class HelloTailLength(Construct):  # type: ignore[misc]
         self.flagbuildnone = True
 
     def _parse(self, stream: io.BytesIO, context: Any, path: str) -> int:
-        return len(stream.getbuffer()) - stream.tell()
+        return _remaining(stream)
 
     def _build(self, obj: Any, stream: io.BytesIO, context: Any, path: str) -> int:
         return 2 + (DIGEST_SIZE if context.get("syncer_profile_hash") is not None else 0)

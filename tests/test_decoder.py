@@ -1,0 +1,802 @@
+"""FrameDecoder: limits before allocation, the first frame, directions, set_limits, HELLO checks,
+end of stream and poisoning. Expected numbers are computed here from the pinned formulas, not
+read back from yeto_proto.limits."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import math
+import struct
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from yeto_proto import (
+    CLOSED,
+    NEED_DATA,
+    AnyMessage,
+    BcastFragment,
+    BudgetDone,
+    DataHello,
+    ErrorCode,
+    FinalAck,
+    FinalFragment,
+    FinalManifest,
+    FrameDecoder,
+    FrameType,
+    Heartbeat,
+    Hello,
+    InitParams,
+    Limits,
+    LocalProtocolError,
+    MergeMode,
+    ProtocolError,
+    PullReq,
+    PushFragment,
+    RemoteProtocolError,
+    Role,
+    Shutdown,
+    WireDtype,
+    WireFragment,
+    WireLayout,
+    decode_payload,
+    encode_bytes,
+)
+from yeto_proto.frames import header
+
+MAGIC = struct.pack("<I", 0xD170C0DE)
+MiB = 1 << 20
+DIGEST_A, DIGEST_B, DIGEST_C = b"\xaa" * 32, b"\xbb" * 32, b"\xcc" * 32
+
+#: Two fragments, the first smaller than the second so that exact-length checks can be told
+#: apart from the per-type limit, which follows the largest fragment.
+LAYOUT = WireLayout(
+    (
+        WireFragment(MergeMode.AVG, (100, 200)),
+        WireFragment(MergeMode.ISO, (600, 400), ((20, 30), (20, 20))),
+    )
+)
+SMALL, BIG = 300, 1000  # numel of fragment 0 and 1
+
+
+def raw_header(frame_type: int, length: int, magic: bytes = MAGIC) -> bytes:
+    """A frame header built by hand: magic u32 | type u8 | len u64, little-endian."""
+    return magic + struct.pack("<BQ", frame_type, length)
+
+
+def limits(dtype: WireDtype = WireDtype.F32) -> Limits:
+    return Limits.of(dtype, LAYOUT)
+
+
+def learner_decoder(dtype: WireDtype = WireDtype.F32) -> FrameDecoder:
+    return FrameDecoder(Role.LEARNER, limits=limits(dtype))
+
+
+def syncer_decoder(dtype: WireDtype = WireDtype.F32) -> FrameDecoder:
+    """A syncer decoder past its first frame."""
+    return FrameDecoder(Role.SYNCER, limits=limits(dtype), enforce_first_frame=False)
+
+
+def expect_error(decoder: FrameDecoder, code: ErrorCode) -> RemoteProtocolError:
+    with pytest.raises(RemoteProtocolError) as caught:
+        decoder.frames()
+    assert caught.value.code is code, caught.value
+    return caught.value
+
+
+def hello(**overrides: object) -> Hello:
+    fields: dict[str, object] = {
+        "learner_id": 1,
+        "generation": 7,
+        "dtype": WireDtype.F32,
+        "layout": LAYOUT,
+        "layout_fingerprint": DIGEST_A,
+        "session_contract": DIGEST_B,
+        "num_streams": 2,
+    }
+    fields.update(overrides)
+    return Hello(**fields)  # type: ignore[arg-type]
+
+
+# -- limits are checked on the 13 header bytes, before any payload is buffered ------------------
+
+
+@pytest.mark.parametrize("length", [1 << 62, 1 << 63, (1 << 64) - 1])
+@pytest.mark.parametrize(
+    ("make", "frame_type"),
+    [
+        (lambda: FrameDecoder(Role.SYNCER), FrameType.HELLO),
+        (syncer_decoder, FrameType.PUSH_FRAGMENT),
+        (learner_decoder, FrameType.BCAST_FRAGMENT),
+        (learner_decoder, FrameType.ERROR),
+        (learner_decoder, FrameType.CHUNK),
+    ],
+)
+def test_a_huge_declared_length_fails_right_after_the_header(
+    make: Callable[[], FrameDecoder], frame_type: FrameType, length: int
+) -> None:
+    decoder = make()
+    head = raw_header(frame_type, length)
+    tracemalloc.start()
+    try:
+        decoder.feed(head[:12])
+        assert decoder.next_frame() is NEED_DATA  # 12 bytes cannot be judged yet
+        decoder.feed(head[12:])
+        error = expect_error(decoder, ErrorCode.FRAME_TOO_LARGE)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 256 * 1024, peak
+    assert str(length) in str(error)
+
+
+@pytest.mark.parametrize("length", [1 << 62, 1 << 63])
+def test_a_length_within_a_huge_negotiated_limit_fails_cleanly_when_unallocatable(
+    length: int,
+) -> None:
+    # A HELLO may declare fragments this large; the per-type limit then exceeds any memory.
+    giant = Limits.of(WireDtype.F32, WireLayout((WireFragment(MergeMode.AVG, (1 << 61,)),)))
+    assert giant.payload_limit(FrameType.BCAST_FRAGMENT) >= length
+    decoder = FrameDecoder(Role.LEARNER, limits=giant)
+    tracemalloc.start()
+    try:
+        decoder.feed(raw_header(FrameType.BCAST_FRAGMENT, length))
+        expect_error(decoder, ErrorCode.FRAME_TOO_LARGE)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 256 * 1024, peak
+
+
+def test_hello_counts_are_bounded_by_the_payload_before_allocation() -> None:
+    prefix = struct.pack("<HIQBI", 4, 0, 1, 1, 0xFFFF_FFFF)  # 2^32 - 1 fragments
+    tiny_fragment = struct.pack("<BI", 0, 0xFFFF_FFFF)  # 2^32 - 1 tensors
+    for payload in (prefix + bytes(80), struct.pack("<HIQBI", 4, 0, 1, 1, 1) + tiny_fragment):
+        decoder = FrameDecoder(Role.SYNCER)
+        tracemalloc.start()
+        try:
+            decoder.feed(header(FrameType.HELLO, len(payload)) + payload)
+            expect_error(decoder, ErrorCode.TRUNCATED_PAYLOAD)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 * MiB, peak
+
+
+# -- the first frame ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw_type", [t for t in range(256) if t not in (1, 8)][::7] + [2, 9, 10])
+def test_only_hello_or_data_hello_may_open_a_syncer_socket(raw_type: int) -> None:
+    decoder = FrameDecoder(Role.SYNCER)
+    decoder.feed(raw_header(raw_type, 16))
+    error = expect_error(decoder, ErrorCode.INVALID_FIRST_FRAME)
+    assert "invalid first frame" in str(error)
+
+
+def test_the_first_frame_is_capped_at_16_mib() -> None:
+    at_cap = FrameDecoder(Role.SYNCER)
+    at_cap.feed(raw_header(FrameType.HELLO, 16 * MiB))
+    assert at_cap.next_frame() is NEED_DATA and at_cap.mid_frame
+    over = FrameDecoder(Role.SYNCER)
+    over.feed(raw_header(FrameType.HELLO, 16 * MiB + 1))
+    expect_error(over, ErrorCode.FRAME_TOO_LARGE)
+
+
+@pytest.mark.parametrize("length", [0, 15, 17, 16 * MiB])
+def test_a_first_data_hello_has_exactly_16_bytes(length: int) -> None:
+    decoder = FrameDecoder(Role.SYNCER)
+    decoder.feed(raw_header(FrameType.DATA_HELLO, length))
+    expect_error(decoder, ErrorCode.BAD_FRAME_LENGTH)
+
+
+def test_bad_magic_is_refused_first_frame_or_not() -> None:
+    for decoder in (FrameDecoder(Role.SYNCER), learner_decoder(), syncer_decoder()):
+        decoder.feed(raw_header(FrameType.HELLO, 100, magic=b"\xde\xc0\x70\xd2"))
+        expect_error(decoder, ErrorCode.BAD_MAGIC)
+
+
+def test_a_learner_decoder_needs_limits_and_has_no_first_frame_rule() -> None:
+    with pytest.raises(LocalProtocolError):
+        FrameDecoder(Role.LEARNER)
+    decoder = learner_decoder()
+    decoder.feed(encode_bytes(PullReq(1, 2, 3)))
+    assert decoder.frames() == [PullReq(1, 2, 3)]
+
+
+# -- exact and derived sizes ----------------------------------------------------------------------
+
+EXACT = {
+    FrameType.PULL_REQ: (Role.LEARNER, 16),
+    FrameType.HEARTBEAT: (Role.SYNCER, 12),
+    FrameType.FINAL_ACK: (Role.SYNCER, 10),
+    FrameType.BUDGET_DONE: (Role.SYNCER, 8),
+    FrameType.SHUTDOWN: (Role.LEARNER, 0),
+    FrameType.FINAL_MANIFEST: (Role.LEARNER, 14 + 8 * 2),
+}
+
+
+def _decoder(receiver: Role, dtype: WireDtype = WireDtype.F32) -> FrameDecoder:
+    return learner_decoder(dtype) if receiver is Role.LEARNER else syncer_decoder(dtype)
+
+
+@pytest.mark.parametrize("frame_type", list(EXACT), ids=lambda t: t.name)
+def test_exact_sizes(frame_type: FrameType) -> None:
+    receiver, size = EXACT[frame_type]
+    for wrong in (size - 8, size - 1, size + 1, size + 8, 1 << 40):
+        if wrong < 0:
+            continue
+        decoder = _decoder(receiver)
+        decoder.feed(raw_header(frame_type, wrong))
+        expect_error(decoder, ErrorCode.BAD_FRAME_LENGTH)
+    decoder = _decoder(receiver)
+    decoder.feed(raw_header(frame_type, size))
+    # The header is accepted: a payload is awaited (or, for SHUTDOWN, the frame is complete).
+    assert decoder.next_frame() == (Shutdown() if size == 0 else NEED_DATA)
+
+
+def _bulk_limits(dtype: WireDtype) -> dict[FrameType, tuple[Role, int]]:
+    """Per-type payload limits from the pinned formulas, for the largest fragment (numel BIG)."""
+    bulk_bytes = BIG * (4 if dtype is WireDtype.F32 else 2)
+    push_bytes = math.ceil(BIG / 256) * 132 if dtype is WireDtype.Q4 else bulk_bytes
+    return {
+        FrameType.INIT_PARAMS: (Role.SYNCER, 4 + bulk_bytes),
+        FrameType.PUSH_FRAGMENT: (Role.SYNCER, 48 + push_bytes),
+        FrameType.BCAST_FRAGMENT: (Role.LEARNER, 12 + bulk_bytes),
+        FrameType.FINAL_FRAGMENT: (Role.LEARNER, 12 + 4 * BIG),
+        FrameType.ERROR: (Role.LEARNER, 65_536),
+        FrameType.CHUNK: (Role.SYNCER, 24 + 4 * MiB),
+    }
+
+
+@pytest.mark.parametrize("dtype", list(WireDtype), ids=lambda d: d.name)
+def test_derived_limits_accept_the_limit_and_refuse_one_more(dtype: WireDtype) -> None:
+    for frame_type, (receiver, limit) in _bulk_limits(dtype).items():
+        assert limits(dtype).payload_limit(frame_type) == limit, frame_type
+        decoder = _decoder(receiver, dtype)
+        decoder.feed(raw_header(frame_type, limit))
+        assert decoder.next_frame() is NEED_DATA, frame_type
+        decoder = _decoder(receiver, dtype)
+        decoder.feed(raw_header(frame_type, limit + 1))
+        expect_error(decoder, ErrorCode.FRAME_TOO_LARGE)
+    learner_chunk = learner_decoder(dtype)
+    learner_chunk.feed(raw_header(FrameType.CHUNK, 24 + 4 * MiB + 1))
+    expect_error(learner_chunk, ErrorCode.FRAME_TOO_LARGE)
+
+
+def test_q4_push_limit_counts_whole_132_byte_blocks() -> None:
+    q4 = Limits.of(WireDtype.Q4, WireLayout((WireFragment(MergeMode.AVG, (257,)),)))
+    assert q4.tensor_bytes(FrameType.PUSH_FRAGMENT, 0) == 2 * 132
+    assert q4.payload_limit(FrameType.PUSH_FRAGMENT) == 48 + 264
+    # INIT and BCAST stay bf16 in a q4 session.
+    assert q4.payload_limit(FrameType.INIT_PARAMS) == 4 + 2 * 257
+    assert q4.payload_limit(FrameType.BCAST_FRAGMENT) == 12 + 2 * 257
+
+
+def test_a_chunk_without_data_is_refused_at_the_header() -> None:
+    decoder = syncer_decoder()
+    decoder.feed(raw_header(FrameType.CHUNK, 24))
+    expect_error(decoder, ErrorCode.CHUNK_EMPTY)
+    decoder = learner_decoder()
+    decoder.feed(raw_header(FrameType.CHUNK, 23))
+    expect_error(decoder, ErrorCode.TRUNCATED_PAYLOAD)
+
+
+# -- directions -----------------------------------------------------------------------------------
+
+LEARNER_TO_SYNCER = {1, 2, 4, 6, 8, 9, 12, 14}
+SYNCER_TO_LEARNER = {3, 5, 7, 9, 10, 11, 13}
+DIRECTION_CODES = {
+    ErrorCode.UNKNOWN_FRAME_TYPE,
+    ErrorCode.WRONG_DIRECTION,
+    ErrorCode.UNEXPECTED_HELLO,
+}
+
+
+@pytest.mark.parametrize("receiver", list(Role), ids=lambda r: r.value)
+def test_frames_the_peer_may_not_send_are_refused(receiver: Role) -> None:
+    allowed = LEARNER_TO_SYNCER if receiver is Role.SYNCER else SYNCER_TO_LEARNER
+    for raw_type in range(256):
+        decoder = _decoder(receiver)
+        decoder.feed(raw_header(raw_type, 16))
+        if raw_type not in range(1, 15):
+            expect_error(decoder, ErrorCode.UNKNOWN_FRAME_TYPE)
+        elif raw_type not in allowed:
+            expect_error(decoder, ErrorCode.WRONG_DIRECTION)
+        elif raw_type in (FrameType.HELLO, FrameType.DATA_HELLO):
+            expect_error(decoder, ErrorCode.UNEXPECTED_HELLO)
+        else:  # accepted: whatever else happens, it is not about the type or direction
+            try:
+                decoder.frames()
+            except RemoteProtocolError as exc:
+                assert exc.code not in DIRECTION_CODES, (raw_type, exc)
+
+
+# -- set_limits: a syncer learns the session from the first frame ---------------------------------
+
+
+def test_bytes_after_the_first_frame_wait_for_set_limits() -> None:
+    first = hello()
+    after: list[AnyMessage] = [
+        PushFragment(1, 0, 5, 1, 0, 9, 3, 400, memoryview(bytes(4 * SMALL))),
+        Heartbeat(1, 9),
+        BudgetDone(12),
+    ]
+    stream = encode_bytes(first) + b"".join(encode_bytes(m) for m in after)
+    for step in (len(stream), 1, 7):
+        decoder = FrameDecoder(Role.SYNCER, num_learners=4)
+        got = []
+        for i in range(0, len(stream), step):
+            decoder.feed(stream[i : i + step])
+            got += decoder.frames()
+        assert got == [first]
+        assert decoder.limits is None and decoder.mid_frame
+        decoder.set_limits(Limits.of(first.dtype, first.layout))
+        assert decoder.frames() == after
+        decoder.feed(b"")
+        assert decoder.next_frame() is CLOSED
+
+
+def test_a_data_socket_also_waits_for_its_groups_limits() -> None:
+    first = DataHello(1, 7, 0)
+    push = PushFragment(1, 1, 5, 1, 0, 9, 3, 400, memoryview(bytes(4 * BIG)))
+    decoder = FrameDecoder(Role.SYNCER, num_learners=4)
+    decoder.feed(encode_bytes(first) + encode_bytes(push)[:50])
+    assert decoder.frames() == [first]
+    decoder.feed(encode_bytes(push)[50:])
+    assert decoder.frames() == []
+    decoder.set_limits(limits())
+    assert decoder.frames() == [push]
+
+
+def test_a_rule_broken_after_the_first_frame_surfaces_once_limits_are_set() -> None:
+    decoder = FrameDecoder(Role.SYNCER, num_learners=4)
+    decoder.feed(encode_bytes(hello()) + encode_bytes(hello()))
+    assert decoder.frames() == [hello()]
+    decoder.set_limits(limits())
+    expect_error(decoder, ErrorCode.UNEXPECTED_HELLO)
+
+
+# -- content checks after decode ------------------------------------------------------------------
+
+
+def test_final_manifest_must_list_every_fragment_at_revision_1() -> None:
+    good = FinalManifest(40, (39, 40))
+    decoder = learner_decoder()
+    decoder.feed(encode_bytes(good))
+    assert decoder.frames() == [good]
+    for manifest, code in [
+        (FinalManifest(40, (39, 40, 41)), ErrorCode.BAD_FRAME_LENGTH),
+        (FinalManifest(40, (39,)), ErrorCode.BAD_FRAME_LENGTH),
+    ]:
+        decoder = learner_decoder()
+        decoder.feed(encode_bytes(manifest))
+        expect_error(decoder, code)
+    # Right length, wrong count field; then a wrong revision.
+    body = struct.pack("<HQI", 1, 40, 3) + struct.pack("<QQ", 39, 40)
+    decoder = learner_decoder()
+    decoder.feed(header(FrameType.FINAL_MANIFEST, len(body)) + body)
+    expect_error(decoder, ErrorCode.BAD_MANIFEST)
+    body = struct.pack("<HQI", 2, 40, 2) + struct.pack("<QQ", 39, 40)
+    decoder = learner_decoder()
+    decoder.feed(header(FrameType.FINAL_MANIFEST, len(body)) + body)
+    expect_error(decoder, ErrorCode.BAD_FINAL_REVISION)
+
+
+def test_final_ack_revision_must_be_1() -> None:
+    body = struct.pack("<HQ", 0, 40)
+    decoder = syncer_decoder()
+    decoder.feed(header(FrameType.FINAL_ACK, 10) + body)
+    expect_error(decoder, ErrorCode.BAD_FINAL_REVISION)
+
+
+def _bulk(frame_type: FrameType, fragment_id: int, size: int) -> bytes:
+    data = memoryview(bytes(size))
+    message: AnyMessage
+    if frame_type is FrameType.INIT_PARAMS:
+        message = InitParams(fragment_id, data)
+    elif frame_type is FrameType.PUSH_FRAGMENT:
+        message = PushFragment(0, fragment_id, 1, 1, 0, 1, 1, 1, data)
+    elif frame_type is FrameType.BCAST_FRAGMENT:
+        message = BcastFragment(fragment_id, 3, data)
+    else:
+        message = FinalFragment(fragment_id, 3, data)
+    return encode_bytes(message)
+
+
+@pytest.mark.parametrize("dtype", list(WireDtype), ids=lambda d: d.name)
+@pytest.mark.parametrize(
+    ("frame_type", "receiver"),
+    [
+        (FrameType.INIT_PARAMS, Role.SYNCER),
+        (FrameType.PUSH_FRAGMENT, Role.SYNCER),
+        (FrameType.BCAST_FRAGMENT, Role.LEARNER),
+        (FrameType.FINAL_FRAGMENT, Role.LEARNER),
+    ],
+)
+def test_fragment_id_and_exact_tensor_length_are_checked_after_decode(
+    dtype: WireDtype, frame_type: FrameType, receiver: Role
+) -> None:
+    session = limits(dtype)
+    small = session.tensor_bytes(frame_type, 0)
+    big = session.tensor_bytes(frame_type, 1)
+    step = 4 if frame_type is FrameType.FINAL_FRAGMENT else 1  # keep f32 bytes in fours
+    cases = [
+        (0, small, None),
+        (1, big, None),
+        (2, small, ErrorCode.BAD_FRAGMENT_ID),
+        (0xFFFF_FFFF, small, ErrorCode.BAD_FRAGMENT_ID),
+        (0, big, ErrorCode.BAD_TENSOR_LENGTH),  # under the type limit, wrong for fragment 0
+        (0, small - step, ErrorCode.BAD_TENSOR_LENGTH),
+        (1, big - step, ErrorCode.BAD_TENSOR_LENGTH),
+        (0, 0, ErrorCode.BAD_TENSOR_LENGTH),
+    ]
+    for fragment_id, size, code in cases:
+        decoder = _decoder(receiver, dtype)
+        decoder.feed(_bulk(frame_type, fragment_id, size))
+        if code is None:
+            (message,) = decoder.frames()
+            assert message.TYPE is frame_type
+        else:
+            expect_error(decoder, code)
+
+
+def test_pull_fragment_id_is_checked() -> None:
+    decoder = learner_decoder()
+    decoder.feed(encode_bytes(PullReq(2, 1, 1)))
+    expect_error(decoder, ErrorCode.BAD_FRAGMENT_ID)
+
+
+def test_a_push_with_zero_c_steps_is_a_protocol_error() -> None:
+    body = struct.pack("<IIQIQQIQ", 0, 0, 1, 1, 0, 1, 0, 1) + bytes(4 * SMALL)
+    decoder = syncer_decoder()
+    decoder.feed(header(FrameType.PUSH_FRAGMENT, len(body)) + body)
+    expect_error(decoder, ErrorCode.ZERO_C_STEPS)
+
+
+def test_error_text_must_be_utf8() -> None:
+    decoder = learner_decoder()
+    decoder.feed(header(FrameType.ERROR, 2) + b"\xc3\x28")
+    expect_error(decoder, ErrorCode.INVALID_UTF8)
+
+
+# -- HELLO: layout of the bytes, the 2/34-byte tail, the checks in pinned order -----------------
+
+
+@dataclass
+class RawFragment:
+    merge_mode: int
+    numels: list[int]
+    shapes: list[tuple[int, int]] = field(default_factory=list)
+    num_tensors: int | None = None  # None: len(numels)
+
+    def encode(self) -> bytes:
+        count = len(self.numels) if self.num_tensors is None else self.num_tensors
+        out = struct.pack("<BI", self.merge_mode, count)
+        out += b"".join(struct.pack("<Q", n) for n in self.numels)
+        out += b"".join(struct.pack("<QQ", r, c) for r, c in self.shapes)
+        return out
+
+
+@dataclass
+class RawHello:
+    """A HELLO payload written field by field from PINNED.md, free to break any rule."""
+
+    version: int = 4
+    learner_id: int = 1
+    generation: int = 7
+    dtype: int = 1
+    fragments: list[RawFragment] = field(
+        default_factory=lambda: [
+            RawFragment(0, [100, 200]),
+            RawFragment(2, [600, 400], [(20, 30), (20, 20)]),
+        ]
+    )
+    num_fragments: int | None = None
+    fingerprint: bytes = DIGEST_A
+    contract: bytes = DIGEST_B
+    profile: bytes | None = None
+    num_streams: int = 2
+    tail_extra: bytes = b""
+
+    def payload(self) -> bytes:
+        count = len(self.fragments) if self.num_fragments is None else self.num_fragments
+        out = struct.pack(
+            "<HIQBI", self.version, self.learner_id, self.generation, self.dtype, count
+        )
+        out += b"".join(f.encode() for f in self.fragments)
+        out += self.fingerprint + self.contract
+        if self.profile is not None:
+            out += self.profile
+        return out + struct.pack("<H", self.num_streams) + self.tail_extra
+
+    def frame(self) -> bytes:
+        body = self.payload()
+        return header(FrameType.HELLO, len(body)) + body
+
+
+def test_hello_bytes_follow_the_pinned_layout() -> None:
+    assert encode_bytes(hello()) == RawHello().frame()
+    assert encode_bytes(hello(profile_hash=DIGEST_C)) == RawHello(profile=DIGEST_C).frame()
+
+
+def _decode_hello(raw: RawHello, num_learners: int = 4) -> Hello | DataHello:
+    decoder = FrameDecoder(Role.SYNCER, num_learners=num_learners)
+    decoder.feed(raw.frame())
+    (message,) = decoder.frames()
+    assert isinstance(message, Hello | DataHello)
+    return message
+
+
+def _frag0(raw: RawHello) -> RawFragment:
+    return raw.fragments[0]
+
+
+def _set_frag0(raw: RawHello, **changes: object) -> None:
+    raw.fragments[0] = replace(_frag0(raw), **changes)  # type: ignore[arg-type]
+
+
+def _bad_iso(raw: RawHello) -> None:
+    raw.fragments[1] = RawFragment(2, [600, 400], [(20, 30), (21, 20)])
+
+
+#: One way to break each HELLO rule, in the pinned order of the checks (M = 4 learners).
+HELLO_RULES: list[tuple[ErrorCode, Callable[[RawHello], None]]] = [
+    (ErrorCode.UNSUPPORTED_VERSION, lambda r: setattr(r, "version", 3)),
+    (ErrorCode.LEARNER_ID_OUT_OF_RANGE, lambda r: setattr(r, "learner_id", 4)),
+    (ErrorCode.ZERO_GENERATION, lambda r: setattr(r, "generation", 0)),
+    (ErrorCode.BAD_DTYPE, lambda r: setattr(r, "dtype", 4)),
+    (ErrorCode.NO_FRAGMENTS, lambda r: setattr(r, "num_fragments", 0)),
+    (ErrorCode.BAD_MERGE_MODE, lambda r: _set_frag0(r, merge_mode=3)),
+    (ErrorCode.EMPTY_FRAGMENT, lambda r: _set_frag0(r, num_tensors=0)),
+    (ErrorCode.ZERO_NUMEL, lambda r: _set_frag0(r, numels=[0, *_frag0(r).numels])),
+    (ErrorCode.SIZE_OVERFLOW, lambda r: _set_frag0(r, numels=[*_frag0(r).numels, 1 << 63])),
+    (ErrorCode.BAD_ISO_SHAPE, _bad_iso),
+    (ErrorCode.TOO_MANY_STREAMS, lambda r: setattr(r, "num_streams", 257)),
+]
+
+
+@pytest.mark.parametrize(("code", "breaker"), HELLO_RULES, ids=[c.name for c, _ in HELLO_RULES])
+def test_each_hello_rule_alone(code: ErrorCode, breaker: Callable[[RawHello], None]) -> None:
+    raw = RawHello()
+    assert isinstance(_decode_hello(raw), Hello)
+    breaker(raw)
+    with pytest.raises(RemoteProtocolError) as caught:
+        _decode_hello(raw)
+    assert caught.value.code is code
+
+
+@pytest.mark.parametrize(
+    ("earlier", "later"),
+    list(itertools.combinations(range(len(HELLO_RULES)), 2)),
+    ids=[
+        f"{HELLO_RULES[i][0].name}-{HELLO_RULES[j][0].name}"
+        for i, j in itertools.combinations(range(len(HELLO_RULES)), 2)
+    ],
+)
+def test_the_earlier_hello_rule_wins(earlier: int, later: int) -> None:
+    raw = RawHello()
+    HELLO_RULES[later][1](raw)
+    HELLO_RULES[earlier][1](raw)
+    with pytest.raises(RemoteProtocolError) as caught:
+        _decode_hello(raw)
+    assert caught.value.code is HELLO_RULES[earlier][0]
+
+
+def test_dtype_zero_and_every_valid_dtype() -> None:
+    for dtype in (0, 4, 255):
+        with pytest.raises(RemoteProtocolError) as caught:
+            _decode_hello(RawHello(dtype=dtype))
+        assert caught.value.code is ErrorCode.BAD_DTYPE
+    for dtype in WireDtype:
+        message = _decode_hello(RawHello(dtype=int(dtype)))
+        assert isinstance(message, Hello) and message.dtype is dtype
+
+
+def test_learner_id_is_checked_against_m_only_when_m_is_known() -> None:
+    assert isinstance(_decode_hello(RawHello(learner_id=3), num_learners=4), Hello)
+    with pytest.raises(RemoteProtocolError):
+        _decode_hello(RawHello(learner_id=4), num_learners=4)
+    decoder = FrameDecoder(Role.SYNCER)  # no M: the session layer decides
+    decoder.feed(RawHello(learner_id=4000).frame())
+    (message,) = decoder.frames()
+    assert isinstance(message, Hello) and message.learner_id == 4000
+
+
+def test_hello_tail_is_2_or_34_bytes() -> None:
+    plain = _decode_hello(RawHello())
+    bound = _decode_hello(RawHello(profile=DIGEST_C))
+    assert isinstance(plain, Hello) and plain.profile_hash is None and plain.num_streams == 2
+    assert isinstance(bound, Hello) and bound.profile_hash == DIGEST_C and bound.num_streams == 2
+    bad_tails = [
+        RawHello(tail_extra=b"\x00"),  # 3
+        RawHello(profile=DIGEST_C[:31]),  # 33
+        RawHello(profile=DIGEST_C, tail_extra=b"\x00"),  # 35
+        RawHello(profile=DIGEST_C * 2),  # 66, e.g. a profile hash plus a MAC nobody expects
+    ]
+    for raw in bad_tails:
+        with pytest.raises(RemoteProtocolError) as caught:
+            _decode_hello(raw)
+        assert caught.value.code is ErrorCode.BAD_HELLO_TAIL
+    # Cut inside num_streams (1 byte left) or right after the contract (0 left).
+    full = RawHello().payload()
+    for cut in (1, 2):
+        body = full[:-cut]
+        decoder = FrameDecoder(Role.SYNCER)
+        decoder.feed(header(FrameType.HELLO, len(body)) + body)
+        expect_error(decoder, ErrorCode.BAD_HELLO_TAIL)
+    # Cut inside the contract: a truncated payload.
+    body = full[:-10]
+    decoder = FrameDecoder(Role.SYNCER)
+    decoder.feed(header(FrameType.HELLO, len(body)) + body)
+    expect_error(decoder, ErrorCode.TRUNCATED_PAYLOAD)
+
+
+@pytest.mark.parametrize("streams", [0, 1, 255, 256])
+def test_num_streams_up_to_256(streams: int) -> None:
+    message = _decode_hello(RawHello(num_streams=streams))
+    assert isinstance(message, Hello) and message.num_streams == streams
+    with pytest.raises(RemoteProtocolError) as caught:
+        _decode_hello(RawHello(num_streams=0xFFFF))
+    assert caught.value.code is ErrorCode.TOO_MANY_STREAMS
+
+
+def test_data_hello_checks() -> None:
+    def data_hello(version: int, learner: int, generation: int, stream: int) -> bytes:
+        body = struct.pack("<HIQH", version, learner, generation, stream)
+        return header(FrameType.DATA_HELLO, 16) + body
+
+    decoder = FrameDecoder(Role.SYNCER, num_learners=4)
+    decoder.feed(data_hello(4, 3, 9, 255))
+    assert decoder.frames() == [DataHello(3, 9, 255)]
+    for frame, code in [
+        (data_hello(5, 3, 9, 0), ErrorCode.UNSUPPORTED_VERSION),
+        (data_hello(5, 4, 0, 0), ErrorCode.UNSUPPORTED_VERSION),
+        (data_hello(4, 4, 0, 0), ErrorCode.LEARNER_ID_OUT_OF_RANGE),
+        (data_hello(4, 3, 0, 0), ErrorCode.ZERO_GENERATION),
+    ]:
+        decoder = FrameDecoder(Role.SYNCER, num_learners=4)
+        decoder.feed(frame)
+        expect_error(decoder, code)
+
+
+# -- optional HELLO authentication ----------------------------------------------------------------
+
+KEY = b"shared secret"
+
+
+def _mac(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, b"yeto-hello-mac-v1\0" + body, hashlib.sha256).digest()
+
+
+def _keyed_decoder() -> FrameDecoder:
+    return FrameDecoder(Role.SYNCER, num_learners=4, hello_key=KEY)
+
+
+def test_a_signed_hello_carries_the_pinned_mac() -> None:
+    body = RawHello().payload()
+    assert encode_bytes(hello(), hello_key=KEY) == header(FrameType.HELLO, len(body) + 32) + (
+        body + _mac(KEY, body)
+    )
+    decoder = _keyed_decoder()
+    decoder.feed(encode_bytes(hello(), hello_key=KEY))
+    assert decoder.frames() == [hello()]
+
+
+def test_wrong_or_missing_mac_fails_authentication() -> None:
+    body = RawHello().payload()
+    tampered = bytearray(body + _mac(KEY, body))
+    tampered[10] ^= 1
+    candidates = [
+        body,  # no MAC at all
+        body + _mac(b"other key", body),
+        bytes(tampered),
+        body + _mac(KEY, body)[:-1],
+        b"",
+        _mac(KEY, b""),  # a valid MAC over an empty body
+    ]
+    for payload in candidates:
+        decoder = _keyed_decoder()
+        decoder.feed(header(FrameType.HELLO, len(payload)) + payload)
+        if payload == _mac(KEY, b""):
+            expect_error(decoder, ErrorCode.TRUNCATED_PAYLOAD)
+        else:
+            error = expect_error(decoder, ErrorCode.HELLO_AUTH_FAILED)
+            assert error.fatal
+
+
+def test_authentication_is_checked_before_the_version() -> None:
+    body = RawHello(version=3).payload()
+    decoder = _keyed_decoder()
+    decoder.feed(header(FrameType.HELLO, len(body)) + body)
+    expect_error(decoder, ErrorCode.HELLO_AUTH_FAILED)
+    decoder = _keyed_decoder()
+    decoder.feed(header(FrameType.HELLO, len(body) + 32) + body + _mac(KEY, body))
+    expect_error(decoder, ErrorCode.UNSUPPORTED_VERSION)
+
+
+def test_without_a_key_nothing_is_appended_and_data_hello_is_never_signed() -> None:
+    assert encode_bytes(hello()) == RawHello().frame()
+    decoder = _keyed_decoder()
+    decoder.feed(encode_bytes(DataHello(1, 7, 0), hello_key=KEY))
+    assert decoder.frames() == [DataHello(1, 7, 0)]
+    assert decode_payload(FrameType.HELLO, memoryview(RawHello().payload())) == hello()
+
+
+# -- end of stream and poisoning ------------------------------------------------------------------
+
+
+def test_end_of_stream_between_frames_is_clean() -> None:
+    decoder = learner_decoder()
+    decoder.feed(encode_bytes(Shutdown()))
+    decoder.feed(b"")
+    assert decoder.frames() == [Shutdown()]
+    assert decoder.next_frame() is CLOSED
+    assert decoder.next_frame() is CLOSED
+    with pytest.raises(LocalProtocolError):
+        decoder.feed(b"more")
+
+
+@pytest.mark.parametrize("keep", [1, 12, 13, 20, 28])
+def test_end_of_stream_inside_a_frame_is_an_error(keep: int) -> None:
+    frame = encode_bytes(PullReq(1, 2, 3))  # 29 bytes
+    decoder = learner_decoder()
+    decoder.feed(encode_bytes(Shutdown()) + frame[:keep])
+    assert decoder.next_frame() == Shutdown()
+    assert decoder.next_frame() is NEED_DATA  # a short frame is not an error before the end
+    decoder.feed(b"")
+    first = expect_error(decoder, ErrorCode.CONNECTION_CLOSED_MID_FRAME)
+    with pytest.raises(RemoteProtocolError) as again:
+        decoder.next_frame()
+    assert again.value is first
+
+
+def test_frames_before_a_fatal_error_come_out_first_then_the_error_sticks() -> None:
+    decoder = learner_decoder()
+    good = PullReq(0, 1, 1)
+    decoder.feed(encode_bytes(good) + raw_header(FrameType.HEARTBEAT, 12) + encode_bytes(good))
+    assert decoder.next_frame() == good
+    with pytest.raises(RemoteProtocolError) as first:
+        decoder.next_frame()
+    assert first.value.code is ErrorCode.WRONG_DIRECTION
+    decoder.feed(encode_bytes(good))  # ignored: the decoder is poisoned
+    for _ in range(3):
+        with pytest.raises(RemoteProtocolError) as again:
+            decoder.next_frame()
+        assert again.value is first.value
+
+
+def test_a_payload_error_poisons_too_and_drops_later_frames() -> None:
+    decoder = learner_decoder()
+    good = PullReq(0, 1, 1)
+    decoder.feed(encode_bytes(good) + encode_bytes(PullReq(9, 1, 1)) + encode_bytes(good))
+    assert decoder.next_frame() == good
+    with pytest.raises(ProtocolError) as first:
+        decoder.next_frame()
+    assert first.value.code is ErrorCode.BAD_FRAGMENT_ID
+    with pytest.raises(ProtocolError) as again:
+        decoder.next_frame()
+    assert again.value is first.value
+    decoder.feed(b"")
+    with pytest.raises(ProtocolError) as after_eof:
+        decoder.next_frame()
+    assert after_eof.value is first.value
+
+
+def test_error_severity_is_fatal_for_framing_and_rejected_for_pushes() -> None:
+    assert ErrorCode.BAD_MAGIC.severity.value == "fatal"
+    assert RemoteProtocolError(ErrorCode.PUSH_DUPLICATE).fatal is False
+    error = RemoteProtocolError(ErrorCode.CHUNK_OVERLAP, "bytes 0..4")
+    assert error.code is ErrorCode.CHUNK_OVERLAP and "CHUNK_OVERLAP" in str(error)
+    with pytest.raises(TypeError):
+        ProtocolError(ErrorCode.BAD_MAGIC)
+
+
+def test_final_ack_and_budget_done_round_trip_on_a_syncer() -> None:
+    decoder = syncer_decoder()
+    decoder.feed(encode_bytes(FinalAck(40)) + encode_bytes(BudgetDone(0)))
+    assert decoder.frames() == [FinalAck(40), BudgetDone(0)]
