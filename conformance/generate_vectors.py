@@ -1,0 +1,3518 @@
+#!/usr/bin/env python3
+"""Write the golden YETO v4 conformance vectors: ``conformance/vectors/*.json``.
+
+Run ``python conformance/generate_vectors.py [--out DIR]``. The output is deterministic (sorted
+keys, fixed seeds, no clock); ``conformance/test_vectors.py`` regenerates into a temporary
+directory and requires every committed byte to be reproduced. The committed files are the
+golden truth: a change here that alters them is a protocol change (see PINNED.md).
+
+This script deliberately imports nothing from ``yeto_proto``. Every frame is written byte by
+byte with ``struct.pack`` from the pinned layout, every ``decoded`` field is the value that was
+packed, and hashes, MACs and dtype codecs are computed by small reference implementations
+below. The vectors therefore test the library against the text, not against itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import json
+import math
+import random
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+Json = dict[str, Any]
+F32Array = npt.NDArray[np.float32]
+
+# -- protocol numbers, restated from PINNED.md ---------------------------------------------------
+MAGIC = 0xD170C0DE
+HEADER = struct.Struct("<IBQ")  # magic:u32 | type:u8 | len:u64
+HEADER_SIZE = HEADER.size
+HELLO, INIT_PARAMS, PULL_REQ, PUSH_FRAGMENT, BCAST_FRAGMENT, HEARTBEAT, SHUTDOWN = range(1, 8)
+DATA_HELLO, CHUNK, ERROR, FINAL_MANIFEST, FINAL_ACK, FINAL_FRAGMENT, BUDGET_DONE = range(8, 15)
+TYPE_NAMES = {
+    HELLO: "HELLO",
+    INIT_PARAMS: "INIT_PARAMS",
+    PULL_REQ: "PULL_REQ",
+    PUSH_FRAGMENT: "PUSH_FRAGMENT",
+    BCAST_FRAGMENT: "BCAST_FRAGMENT",
+    HEARTBEAT: "HEARTBEAT",
+    SHUTDOWN: "SHUTDOWN",
+    DATA_HELLO: "DATA_HELLO",
+    CHUNK: "CHUNK",
+    ERROR: "ERROR",
+    FINAL_MANIFEST: "FINAL_MANIFEST",
+    FINAL_ACK: "FINAL_ACK",
+    FINAL_FRAGMENT: "FINAL_FRAGMENT",
+    BUDGET_DONE: "BUDGET_DONE",
+}
+F32, BF16, Q4 = 1, 2, 3
+DTYPE_NAMES = {F32: "f32", BF16: "bf16", Q4: "q4"}
+AVG, RDA, ISO = 0, 1, 2
+MODE_NAMES = {AVG: "avg", RDA: "rda", ISO: "iso"}
+MIB = 1 << 20
+FIRST_FRAME_LIMIT = 16 * MIB
+SLICE_SIZE = 4 * MIB
+CHUNK_ENVELOPE = 24
+ERROR_LIMIT = 65536
+MAX_PARTIALS = 64
+Q4_BLOCK_VALUES, Q4_BLOCK_BYTES = 256, 132
+U16_MAX, U32_MAX, U64_MAX = (1 << 16) - 1, (1 << 32) - 1, (1 << 64) - 1
+LAYOUT_DOMAIN = b"yeto-layout-v1\0"
+PROFILE_DOMAIN = b"yeto-syncer-semantic-profile-v1\0"
+HELLO_MAC_DOMAIN = b"yeto-hello-mac-v1\0"
+TESTS_PER_GROUP = 100  # group g numbers its tests from 100·g + 1, so appending never renumbers
+
+FLAG_NOTES = {
+    "Boundary": "A field at the edge of its range (0, the maximum, or a limit exactly).",
+    "CheckOrder": "Several faults at once: the pinned order of checks decides the code.",
+    "CountBeyondPayload": "A count promises more bytes than the payload holds; it must be "
+    "rejected before anything is allocated for it.",
+    "DecoderMayDefer": "The frame is well formed; the named code is raised by the session, the "
+    "reassembler or the dtype codec rather than necessarily by the frame decoder.",
+    "Direction": "A frame type the peer may not send in this direction.",
+    "ExactSize": "A frame type whose payload size is exact.",
+    "FirstFrame": "The first frame on a socket must be HELLO or DATA_HELLO within 16 MiB.",
+    "HeaderOnly": "The error is decided by the 13-byte header; no payload byte may be read or "
+    "allocated first.",
+    "HelloMac": "HELLO authentication: HMAC-SHA256 over the domain string and the body.",
+    "HugeLength": "A declared length of 2^62 bytes or more.",
+    "IntegerOverflow": "Arithmetic that wraps in 64-bit unsigned integers if done naively.",
+    "Interleaved": "CHUNKs of several messages arrive interleaved.",
+    "Iso": "An iso fragment: (rows, cols) per tensor follow its numels.",
+    "Limit": "A size limit derived from the session (dtype and fragment numels).",
+    "NaN": "A NaN value or NaN-carrying bit pattern.",
+    "Normal": "An ordinary, typical case.",
+    "OutOfOrder": "CHUNKs arrive in another order than they were sent.",
+    "Padding": "The last q4 block is zero-padded to 256 values.",
+    "ProfileHash": "HELLO carries the optional 32-byte syncer profile hash.",
+    "Rounding": "A value that is not exactly representable; pins the rounding rule.",
+    "SessionSize": "A tensor byte count fixed by the fragment's numel and the dtype.",
+    "Tie": "A value exactly halfway between two representable values (round half to even).",
+    "Truncated": "The payload ends inside a field.",
+    "Unicode": "Text or names outside ASCII.",
+    "Version": "The protocol or finalization revision field.",
+}
+
+
+# -- reference arithmetic (own implementations of PINNED.md) -------------------------------------
+
+
+def bf16_from_f32(values: F32Array) -> npt.NDArray[np.uint16]:
+    """Round to nearest even; a NaN stays a NaN with its quiet bit set."""
+    bits = values.astype("<f4").view("<u4").astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    quiet = (bits >> 16) | 0x0040
+    return np.where(is_nan, quiet, rounded).astype("<u2")
+
+
+def f32_from_bf16(halves: npt.NDArray[np.uint16]) -> F32Array:
+    return (halves.astype(np.uint32) << 16).view("<f4")
+
+
+def q4_encode(values: F32Array) -> bytes:
+    """E3M0 blocks of 256: ``scale:f32`` = absmax, then 128 bytes, element 2i in the low nibble."""
+    blocks = -(-len(values) // Q4_BLOCK_VALUES)
+    padded = np.zeros(blocks * Q4_BLOCK_VALUES, dtype=np.float32)
+    padded[: len(values)] = values
+    grid = padded.reshape(blocks, Q4_BLOCK_VALUES)
+    scale = np.abs(grid).max(axis=1).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(scale[:, None] > 0, np.abs(grid) / scale[:, None], np.float32(0))
+        # log2 in f32, correctly rounded: evaluate in f64, then round once to f32 (-inf for 0).
+        exponent = np.log2(ratio.astype(np.float32).astype(np.float64)).astype(np.float32)
+    level = np.clip(np.rint(exponent) + 7, 0, 7).astype(np.uint8)  # rint: half to even
+    sign = ((grid < 0) & (level > 0)).astype(np.uint8) << 3
+    nibbles = level | sign
+    packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+    out = np.empty((blocks, Q4_BLOCK_BYTES), dtype=np.uint8)
+    out[:, :4] = scale.astype("<f4").view(np.uint8).reshape(blocks, 4)
+    out[:, 4:] = packed
+    return out.tobytes()
+
+
+def q4_decode(data: bytes, numel: int) -> F32Array:
+    grid = np.frombuffer(data, dtype=np.uint8).reshape(-1, Q4_BLOCK_BYTES)
+    scale = grid[:, :4].copy().view("<f4")[:, 0]
+    nibbles = np.empty((len(grid), Q4_BLOCK_VALUES), dtype=np.uint8)
+    nibbles[:, 0::2] = grid[:, 4:] & 0x0F
+    nibbles[:, 1::2] = grid[:, 4:] >> 4
+    level = (nibbles & 7).astype(np.int32)
+    magnitude = np.where(level > 0, np.ldexp(np.float32(1), level - 7), 0).astype(np.float32)
+    signed = np.where(((nibbles & 8) != 0) & (level > 0), -magnitude, magnitude)
+    values: F32Array = (signed.astype(np.float32) * scale[:, None]).astype(np.float32)
+    return values.reshape(-1)[:numel]
+
+
+def f32_bytes(values: Sequence[float] | F32Array) -> bytes:
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def sample_values(seed: str, count: int) -> F32Array:
+    """Reproducible, finite, human-sized values (``random.Random`` with a string seed is stable)."""
+    rng = random.Random(seed)
+    return np.array([round(rng.uniform(-2.0, 2.0), 4) for _ in range(count)], dtype=np.float32)
+
+
+# -- layouts, sessions and their identities ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class WireFragment:
+    """A fragment as HELLO carries it (the numeric layout)."""
+
+    mode: int
+    numels: tuple[int, ...]
+    shapes: tuple[tuple[int, int], ...] = ()
+
+    def encode(self) -> bytes:
+        out = struct.pack("<BI", self.mode, len(self.numels))
+        out += struct.pack(f"<{len(self.numels)}Q", *self.numels)
+        if self.mode == ISO:
+            out += b"".join(struct.pack("<QQ", rows, cols) for rows, cols in self.shapes)
+        return out
+
+    def decoded(self) -> Json:
+        out: Json = {"merge_mode": MODE_NAMES[self.mode], "numels": list(self.numels)}
+        if self.mode == ISO:
+            out["matrix_shapes"] = [{"rows": r, "cols": c} for r, c in self.shapes]
+        return out
+
+
+@dataclass(frozen=True)
+class Fragment:
+    mode: int
+    tensors: tuple[Tensor, ...]
+
+    def wire(self) -> WireFragment:
+        numels = tuple(t.numel for t in self.tensors)
+        if self.mode != ISO:
+            return WireFragment(self.mode, numels)
+        shapes = tuple((t.shape[0], t.numel // t.shape[0]) for t in self.tensors)
+        return WireFragment(self.mode, numels, shapes)
+
+
+@dataclass(frozen=True)
+class NamedLayout:
+    fragments: tuple[Fragment, ...]
+
+    def wire(self) -> tuple[WireFragment, ...]:
+        return tuple(f.wire() for f in self.fragments)
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(sum(t.numel for t in f.tensors) for f in self.fragments)
+
+    def canonical(self) -> bytes:
+        """The fingerprint preimage of PINNED.md § HELLO and DATA_HELLO."""
+        out = LAYOUT_DOMAIN + struct.pack("<I", len(self.fragments))
+        for fragment in self.fragments:
+            out += struct.pack("<BI", fragment.mode, len(fragment.tensors))
+            for tensor in fragment.tensors:
+                name = tensor.name.encode("utf-8")
+                out += struct.pack("<I", len(name)) + name
+                out += struct.pack("<QI", tensor.numel, len(tensor.shape))
+                out += struct.pack(f"<{len(tensor.shape)}Q", *tensor.shape)
+        return out
+
+    def fingerprint(self) -> bytes:
+        return hashlib.sha256(self.canonical()).digest()
+
+    def file_json(self) -> Json:
+        """The layout file form (``format`` plus fragments) that yeto's Layout reads."""
+        return {
+            "format": "yeto-layout-v1",
+            "fragments": [
+                {
+                    "merge_mode": MODE_NAMES[f.mode],
+                    "tensors": [{"name": t.name, "shape": list(t.shape)} for t in f.tensors],
+                }
+                for f in self.fragments
+            ],
+        }
+
+
+def layout(*fragments: tuple[int, Sequence[tuple[str, tuple[int, ...]]]]) -> NamedLayout:
+    return NamedLayout(
+        tuple(
+            Fragment(mode, tuple(Tensor(n, s) for n, s in tensors)) for mode, tensors in fragments
+        )
+    )
+
+
+def digest_of(label: str) -> bytes:
+    return hashlib.sha256(label.encode()).digest()
+
+
+@dataclass(frozen=True)
+class HelloFields:
+    """Every HELLO field; ``payload()`` packs them in the pinned order."""
+
+    learner_id: int
+    generation: int
+    dtype: int
+    fragments: tuple[WireFragment, ...]
+    fingerprint: bytes
+    contract: bytes
+    num_streams: int
+    profile: bytes | None = None
+    version: int = 4
+
+    def payload(self) -> bytes:
+        head = struct.pack(
+            "<HIQBI",
+            self.version,
+            self.learner_id,
+            self.generation,
+            self.dtype,
+            len(self.fragments),
+        )
+        body = b"".join(f.encode() for f in self.fragments) + self.fingerprint + self.contract
+        return head + body + (self.profile or b"") + struct.pack("<H", self.num_streams)
+
+    def decoded(self) -> Json:
+        out: Json = {
+            "type": "HELLO",
+            "protocol_version": self.version,
+            "learner_id": self.learner_id,
+            "connection_generation": self.generation,
+            "dtype": DTYPE_NAMES[self.dtype],
+            "fragments": [f.decoded() for f in self.fragments],
+            "layout_fingerprint": self.fingerprint.hex(),
+            "session_contract_hash": self.contract.hex(),
+            "num_streams": self.num_streams,
+        }
+        if self.profile is not None:
+            out["syncer_profile_hash"] = self.profile.hex()
+        return out
+
+    def built(self) -> tuple[bytes, Json]:
+        return frame(HELLO, self.payload()), self.decoded()
+
+
+@dataclass(frozen=True)
+class Session:
+    """A negotiated session: dtype and named layout; its HELLO establishes it."""
+
+    name: str
+    dtype: int
+    layout: NamedLayout
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return self.layout.numels
+
+    @property
+    def hello(self) -> HelloFields:
+        return HelloFields(
+            learner_id=0,
+            generation=1,
+            dtype=self.dtype,
+            fragments=self.layout.wire(),
+            fingerprint=self.layout.fingerprint(),
+            contract=digest_of(f"conformance contract: {self.name}"),
+            num_streams=2,
+        )
+
+    def context(
+        self,
+        receiver: str,
+        *,
+        num_learners: int | None = None,
+        hello_key: bytes | None = None,
+    ) -> Json:
+        hello = self.hello.payload()
+        if hello_key is not None:
+            hello += hello_mac(hello_key, hello)
+        ctx: Json = {
+            "receiver": receiver,
+            "first_frame": False,
+            "session": {
+                "dtype": DTYPE_NAMES[self.dtype],
+                "numels": list(self.numels),
+                "hello": frame(HELLO, hello).hex(),
+            },
+        }
+        if num_learners is not None:
+            ctx["num_learners"] = num_learners
+        if hello_key is not None:
+            ctx["hello_key"] = hello_key.hex()
+        return ctx
+
+    # Tensor byte counts, as the limits of PINNED.md § Framing derive them.
+    def bulk_itemsize(self) -> int:
+        return 4 if self.dtype == F32 else 2
+
+    def bulk(self, fragment: int, seed: str, count: int | None = None) -> bytes:
+        """INIT/BCAST tensor bytes (bf16 in a q4 session)."""
+        values = sample_values(seed, self.numels[fragment] if count is None else count)
+        if self.dtype == F32:
+            return f32_bytes(values)
+        return bf16_from_f32(values).tobytes()
+
+    def push_delta(self, fragment: int, seed: str) -> bytes:
+        values = sample_values(seed, self.numels[fragment])
+        if self.dtype == Q4:
+            return q4_encode(values)
+        return self.bulk(fragment, seed)
+
+    def final(self, fragment: int, seed: str, count: int | None = None) -> bytes:
+        return f32_bytes(sample_values(seed, self.numels[fragment] if count is None else count))
+
+
+S_F32 = Session(
+    "f32-mlp",
+    F32,
+    layout(
+        (AVG, [("fc.weight", (2, 2)), ("fc.bias", (1,))]),
+        (RDA, [("head.weight", (3,))]),
+    ),
+)
+S_BF16 = Session(
+    "bf16-iso",
+    BF16,
+    layout(
+        (AVG, [("embed.weight", (3, 2))]),
+        (ISO, [("block.proj.weight", (2, 2))]),
+    ),
+)
+S_Q4 = Session(
+    "q4-wide",
+    Q4,
+    layout(
+        (AVG, [("wide.weight", (257,))]),
+        (RDA, [("norm.scale", (4,))]),
+    ),
+)
+S_THREE = Session(
+    "bf16-three",
+    BF16,
+    layout(
+        (AVG, [("tok.weight", (4, 2))]),
+        (RDA, [("ln.weight", (2,)), ("ln.bias", (2,))]),
+        (ISO, [("attn.qkv.weight", (3, 2)), ("attn.out.weight", (2, 3))]),
+    ),
+)
+SESSIONS = (S_F32, S_BF16, S_Q4, S_THREE)
+HELLO_KEY = b"conformance hello key, 32 bytes!"
+OTHER_KEY = b"another key"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Every field of the syncer profile hash, in the pinned order (PINNED.md)."""
+
+    learners: int
+    total_steps: int
+    quorum: int = 1
+    grace_ms: int = 1000
+    grace_gamma: float = 0.8
+    grace_tau: float = 2.0
+    pipeline: int = 2
+    min_round_interval_ms: int = 0
+    sync_interval_steps: float = 24.0
+    delta_correction: str = "heloco"
+    quorum_timeout_s: int = 900
+    final_ack_timeout_s: int = 900
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    checkpoint_enabled: bool = False
+    checkpoint_every: int = 8
+    resume: bool = False
+    mark_final_checkpoint: bool = False
+    learner_budget_steps: int | None = None
+    max_base_lag: int | None = None
+    learner_weight: str = "tokens2-over-steps"
+    require_profile_binding: bool = False
+
+    def canonical(self) -> bytes:
+        def optional(value: int | None) -> bytes:
+            return b"\x00" if value is None else b"\x01" + struct.pack("<Q", value)
+
+        out = PROFILE_DOMAIN
+        out += struct.pack("<II", self.learners, self.quorum)
+        out += struct.pack("<Qdd", self.grace_ms, self.grace_gamma, self.grace_tau)
+        out += struct.pack(
+            "<IQd", self.pipeline, self.min_round_interval_ms, self.sync_interval_steps
+        )
+        out += struct.pack("<B", {"none": 0, "heloco": 1}[self.delta_correction])
+        out += struct.pack(
+            "<QQQ", self.quorum_timeout_s, self.final_ack_timeout_s, self.total_steps
+        )
+        out += b"\x00"  # policy_sweep_fragments: always absent
+        out += struct.pack("<ff", self.outer_lr, self.outer_momentum)
+        out += struct.pack("<BQ", self.checkpoint_enabled, self.checkpoint_every)
+        out += struct.pack("<BB", self.resume, self.mark_final_checkpoint)
+        out += optional(self.learner_budget_steps) + optional(self.max_base_lag)
+        weight = {"tokens2-over-steps": 0, "equal": 1}[self.learner_weight]
+        out += struct.pack("<BB", weight, self.require_profile_binding)
+        return out
+
+    def digest(self) -> bytes:
+        return hashlib.sha256(self.canonical()).digest()
+
+    def as_json(self) -> Json:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+PROFILES = (
+    Profile(learners=2, total_steps=100),
+    Profile(learners=4, total_steps=1000, quorum=3, require_profile_binding=True),
+    Profile(
+        learners=8,
+        total_steps=4096,
+        quorum=6,
+        grace_ms=250,
+        grace_gamma=0.5,
+        grace_tau=1.5,
+        pipeline=4,
+        min_round_interval_ms=20,
+        sync_interval_steps=12.5,
+        delta_correction="none",
+        quorum_timeout_s=60,
+        final_ack_timeout_s=120,
+        outer_lr=0.1,
+        outer_momentum=0.95,
+        checkpoint_enabled=True,
+        checkpoint_every=1,
+        resume=True,
+        mark_final_checkpoint=True,
+        learner_budget_steps=512,
+        max_base_lag=3,
+        learner_weight="equal",
+        require_profile_binding=True,
+    ),
+    Profile(learners=1, total_steps=1, learner_budget_steps=0, max_base_lag=0),
+    Profile(learners=U32_MAX, total_steps=U64_MAX, checkpoint_every=U64_MAX, grace_ms=U64_MAX),
+)
+
+
+def hello_mac(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, HELLO_MAC_DOMAIN + body, hashlib.sha256).digest()
+
+
+# -- frames --------------------------------------------------------------------------------------
+
+#: Payload offsets inside HELLO: num_fragments, and the first fragment's merge_mode.
+HELLO_NUM_FRAGMENTS_AT = struct.calcsize("<HIQB")  # 15
+HELLO_FIRST_FRAGMENT_AT = struct.calcsize("<HIQBI")  # 19
+
+
+def patched(data: bytes, offset: int, new: bytes) -> bytes:
+    """``data`` with the bytes at ``offset`` overwritten by ``new``."""
+    return data[:offset] + new + data[offset + len(new) :]
+
+
+def frame(
+    frame_type: int, payload: bytes, *, length: int | None = None, magic: int = MAGIC
+) -> bytes:
+    """A frame; ``length`` overrides the declared payload length (to lie about it)."""
+    return HEADER.pack(magic, frame_type, len(payload) if length is None else length) + payload
+
+
+def init_params(fragment_id: int, data: bytes) -> tuple[bytes, Json]:
+    payload = struct.pack("<I", fragment_id) + data
+    return frame(INIT_PARAMS, payload), {
+        "type": "INIT_PARAMS",
+        "fragment_id": fragment_id,
+        "data": data.hex(),
+    }
+
+
+def pull_req(fragment_id: int, global_step: int, round_attempt: int) -> tuple[bytes, Json]:
+    payload = struct.pack("<IQI", fragment_id, global_step, round_attempt)
+    return frame(PULL_REQ, payload), {
+        "type": "PULL_REQ",
+        "fragment_id": fragment_id,
+        "global_step": global_step,
+        "round_attempt": round_attempt,
+    }
+
+
+PUSH_FIELDS = (
+    "learner_id",
+    "fragment_id",
+    "global_step",
+    "round_attempt",
+    "base_version",
+    "local_step",
+    "c_steps",
+    "c_tokens",
+)
+
+
+def push_fragment(data: bytes, **fields: int) -> tuple[bytes, Json]:
+    """PUSH_FRAGMENT; unspecified fields take ordinary values."""
+    values = {
+        "learner_id": 1,
+        "fragment_id": 0,
+        "global_step": 3,
+        "round_attempt": 1,
+        "base_version": 1,
+        "local_step": 40,
+        "c_steps": 24,
+        "c_tokens": 24 * 2048,
+    }
+    values.update(fields)
+    payload = struct.pack("<IIQIQQIQ", *(values[name] for name in PUSH_FIELDS)) + data
+    return frame(PUSH_FRAGMENT, payload), {"type": "PUSH_FRAGMENT", **values, "data": data.hex()}
+
+
+def versioned_fragment(
+    frame_type: int, fragment_id: int, version: int, data: bytes
+) -> tuple[bytes, Json]:
+    payload = struct.pack("<IQ", fragment_id, version) + data
+    return frame(frame_type, payload), {
+        "type": TYPE_NAMES[frame_type],
+        "fragment_id": fragment_id,
+        "version": version,
+        "data": data.hex(),
+    }
+
+
+def heartbeat(learner_id: int, local_step: int) -> tuple[bytes, Json]:
+    return frame(HEARTBEAT, struct.pack("<IQ", learner_id, local_step)), {
+        "type": "HEARTBEAT",
+        "learner_id": learner_id,
+        "local_step": local_step,
+    }
+
+
+def shutdown() -> tuple[bytes, Json]:
+    return frame(SHUTDOWN, b""), {"type": "SHUTDOWN"}
+
+
+def data_hello(
+    learner_id: int, generation: int, stream_idx: int, version: int = 4
+) -> tuple[bytes, Json]:
+    payload = struct.pack("<HIQH", version, learner_id, generation, stream_idx)
+    return frame(DATA_HELLO, payload), {
+        "type": "DATA_HELLO",
+        "protocol_version": version,
+        "learner_id": learner_id,
+        "connection_generation": generation,
+        "stream_idx": stream_idx,
+    }
+
+
+def chunk(msg_id: int, total_len: int, offset: int, data: bytes) -> tuple[bytes, Json]:
+    payload = struct.pack("<QQQ", msg_id, total_len, offset) + data
+    return frame(CHUNK, payload), {
+        "type": "CHUNK",
+        "msg_id": msg_id,
+        "total_len": total_len,
+        "offset": offset,
+        "data": data.hex(),
+    }
+
+
+def error_frame(text: str) -> tuple[bytes, Json]:
+    return frame(ERROR, text.encode("utf-8")), {"type": "ERROR", "text": text}
+
+
+def final_manifest(
+    final_global_step: int, versions: Sequence[int], revision: int = 1
+) -> tuple[bytes, Json]:
+    payload = struct.pack("<HQI", revision, final_global_step, len(versions))
+    payload += struct.pack(f"<{len(versions)}Q", *versions)
+    return frame(FINAL_MANIFEST, payload), {
+        "type": "FINAL_MANIFEST",
+        "revision": revision,
+        "final_global_step": final_global_step,
+        "expected_versions": list(versions),
+    }
+
+
+def final_ack(final_global_step: int, revision: int = 1) -> tuple[bytes, Json]:
+    return frame(FINAL_ACK, struct.pack("<HQ", revision, final_global_step)), {
+        "type": "FINAL_ACK",
+        "revision": revision,
+        "final_global_step": final_global_step,
+    }
+
+
+def budget_done(steps: int) -> tuple[bytes, Json]:
+    return frame(BUDGET_DONE, struct.pack("<Q", steps)), {
+        "type": "BUDGET_DONE",
+        "exact_local_steps": steps,
+    }
+
+
+# -- test records --------------------------------------------------------------------------------
+
+
+def valid(comment: str, built: tuple[bytes, Json], *flags: str) -> Json:
+    return {
+        "comment": comment,
+        "flags": list(flags),
+        "hex": built[0].hex(),
+        "result": "valid",
+        "decoded": built[1],
+    }
+
+
+def invalid(
+    comment: str, data: bytes, code: str, *flags: str, fail_after: int | None = None
+) -> Json:
+    """An invalid frame; ``fail_after=13`` marks a rejection the header alone decides."""
+    if fail_after == HEADER_SIZE and "HeaderOnly" not in flags:
+        flags = ("HeaderOnly", *flags)
+    test: Json = {
+        "comment": comment,
+        "flags": list(flags),
+        "hex": data.hex(),
+        "result": "invalid",
+        "code": code,
+    }
+    if fail_after is not None:
+        test["fail_after"] = fail_after
+    return test
+
+
+def acceptable(comment: str, built: tuple[bytes, Json], code: str, *flags: str) -> Json:
+    test = valid(comment, built, *flags, "DecoderMayDefer")
+    test["result"] = "acceptable"
+    test["code"] = code
+    return test
+
+
+def header_error(
+    comment: str,
+    frame_type: int,
+    length: int,
+    code: str,
+    *flags: str,
+    magic: int = MAGIC,
+    body: bytes = b"",
+) -> Json:
+    """A frame rejected by its header alone (the decoder must fail after 13 bytes)."""
+    data = HEADER.pack(magic, frame_type, length) + body
+    return invalid(comment, data, code, *flags, fail_after=HEADER_SIZE)
+
+
+def frame_group(context: Json, tests: list[Json]) -> Json:
+    return {"type": "FrameTest", "context": context, "tests": tests}
+
+
+def fresh_syncer(
+    num_learners: int | None = 4, hello_key: bytes | None = None, session: Session | None = None
+) -> Json:
+    """A syncer's new socket: the vector is the first frame (first-frame rule applies)."""
+    ctx: Json = {"receiver": "syncer", "first_frame": True}
+    if num_learners is not None:
+        ctx["num_learners"] = num_learners
+    if hello_key is not None:
+        ctx["hello_key"] = hello_key.hex()
+    if session is not None:
+        ctx["session"] = session.context("syncer")["session"]
+    return ctx
+
+
+def vector_file(subject: str, header: list[str], groups: list[Json]) -> Json:
+    used: set[str] = set()
+    count = 0
+    for index, group in enumerate(groups):
+        tests = group["tests"]
+        assert len(tests) < TESTS_PER_GROUP, f"{subject}: group {index} is full"
+        for position, test in enumerate(tests):
+            test["tcId"] = TESTS_PER_GROUP * index + position + 1
+            used.update(test["flags"])
+        count += len(tests)
+    return {
+        "schema": "vectors.schema.json",
+        "protocol": "yeto-v4",
+        "subject": subject,
+        "header": header,
+        "notes": {flag: FLAG_NOTES[flag] for flag in sorted(used)},
+        "numberOfTests": count,
+        "testGroups": groups,
+    }
+
+
+# -- HELLO ---------------------------------------------------------------------------------------
+
+BASE_HELLO = S_F32.hello
+
+
+def hello_file() -> Json:
+    h = BASE_HELLO
+    good = [
+        valid(
+            "HELLO of the f32 session (learner 0, generation 1, two data streams)",
+            h.built(),
+            "Normal",
+        ),
+        valid(
+            "HELLO of the bf16 session with an iso fragment", S_BF16.hello.built(), "Normal", "Iso"
+        ),
+        valid("HELLO of the q4 session", S_Q4.hello.built(), "Normal"),
+        valid("HELLO of a three-fragment session", S_THREE.hello.built(), "Normal", "Iso"),
+        valid(
+            "learner_id M-1, generation 2^64-1, no data streams",
+            replace(h, learner_id=3, generation=U64_MAX, num_streams=0).built(),
+            "Boundary",
+        ),
+        valid("num_streams = 256, the maximum", replace(h, num_streams=256).built(), "Boundary"),
+        valid(
+            "with a syncer profile hash (34 bytes remain after the contract)",
+            replace(h, profile=PROFILES[0].digest()).built(),
+            "ProfileHash",
+        ),
+        valid(
+            "a numel of 2^61: its f32 byte count 2^63 still fits a u64",
+            replace(h, fragments=(WireFragment(AVG, (1 << 61,)),)).built(),
+            "Boundary",
+        ),
+        valid(
+            "one fragment with many tensors",
+            replace(h, fragments=(WireFragment(RDA, tuple(range(1, 18))),)).built(),
+            "Normal",
+        ),
+    ]
+    bad_version = [
+        invalid(
+            "protocol_version 3",
+            frame(HELLO, replace(h, version=3).payload()),
+            "UNSUPPORTED_VERSION",
+            "Version",
+        ),
+        invalid(
+            "protocol_version 5",
+            frame(HELLO, replace(h, version=5).payload()),
+            "UNSUPPORTED_VERSION",
+            "Version",
+        ),
+        invalid(
+            "protocol_version written big-endian (00 04 = 1024)",
+            frame(HELLO, b"\x00\x04" + h.payload()[2:]),
+            "UNSUPPORTED_VERSION",
+            "Version",
+        ),
+        invalid(
+            "a bare older version field: never guessed, the version alone decides",
+            frame(HELLO, struct.pack("<H", 3)),
+            "UNSUPPORTED_VERSION",
+            "Version",
+        ),
+        invalid("empty payload", frame(HELLO, b""), "TRUNCATED_PAYLOAD", "Truncated"),
+        invalid("one payload byte", frame(HELLO, b"\x04"), "TRUNCATED_PAYLOAD", "Truncated"),
+        invalid(
+            "payload ends inside the learner_id",
+            frame(HELLO, h.payload()[:4]),
+            "TRUNCATED_PAYLOAD",
+            "Truncated",
+        ),
+    ]
+    bad_fields = [
+        invalid(
+            "learner_id = M (4)",
+            frame(HELLO, replace(h, learner_id=4).payload()),
+            "LEARNER_ID_OUT_OF_RANGE",
+            "Boundary",
+        ),
+        invalid(
+            "learner_id = 2^32-1",
+            frame(HELLO, replace(h, learner_id=U32_MAX).payload()),
+            "LEARNER_ID_OUT_OF_RANGE",
+        ),
+        invalid(
+            "connection_generation 0",
+            frame(HELLO, replace(h, generation=0).payload()),
+            "ZERO_GENERATION",
+        ),
+        invalid("dtype 0", frame(HELLO, replace(h, dtype=0).payload()), "BAD_DTYPE"),
+        invalid("dtype 4", frame(HELLO, replace(h, dtype=4).payload()), "BAD_DTYPE"),
+        invalid("dtype 255", frame(HELLO, replace(h, dtype=255).payload()), "BAD_DTYPE"),
+        invalid(
+            "num_fragments 0", frame(HELLO, replace(h, fragments=()).payload()), "NO_FRAGMENTS"
+        ),
+        invalid(
+            "merge_mode 3",
+            frame(HELLO, replace(h, fragments=(WireFragment(3, (5,)),)).payload()),
+            "BAD_MERGE_MODE",
+        ),
+        invalid(
+            "num_tensors 0",
+            frame(HELLO, replace(h, fragments=(WireFragment(AVG, ()),)).payload()),
+            "EMPTY_FRAGMENT",
+        ),
+        invalid(
+            "a tensor numel of 0",
+            frame(HELLO, replace(h, fragments=(WireFragment(AVG, (4, 0)),)).payload()),
+            "ZERO_NUMEL",
+        ),
+        invalid(
+            "numels 2^63 + 2^63 overflow a u64 sum",
+            frame(HELLO, replace(h, fragments=(WireFragment(AVG, (1 << 63, 1 << 63)),)).payload()),
+            "SIZE_OVERFLOW",
+            "IntegerOverflow",
+        ),
+        invalid(
+            "numel 2^64-1: its f32 byte size overflows a u64",
+            frame(HELLO, replace(h, fragments=(WireFragment(AVG, (U64_MAX,)),)).payload()),
+            "SIZE_OVERFLOW",
+            "IntegerOverflow",
+        ),
+        invalid(
+            "num_fragments 2^32-1 with one fragment's bytes present",
+            frame(HELLO, patched(h.payload(), HELLO_NUM_FRAGMENTS_AT, struct.pack("<I", U32_MAX))),
+            "TRUNCATED_PAYLOAD",
+            "CountBeyondPayload",
+        ),
+        invalid(
+            "num_tensors 2^32-1 with two numels present",
+            frame(
+                HELLO,
+                patched(
+                    replace(h, fragments=(WireFragment(AVG, (1, 2)),)).payload(),
+                    HELLO_FIRST_FRAGMENT_AT + 1,  # num_tensors, after merge_mode
+                    struct.pack("<I", U32_MAX),
+                ),
+            ),
+            "TRUNCATED_PAYLOAD",
+            "CountBeyondPayload",
+        ),
+        invalid(
+            "num_streams 257",
+            frame(HELLO, replace(h, num_streams=257).payload()),
+            "TOO_MANY_STREAMS",
+            "Boundary",
+        ),
+        invalid(
+            "num_streams 65535",
+            frame(HELLO, replace(h, num_streams=U16_MAX).payload()),
+            "TOO_MANY_STREAMS",
+        ),
+    ]
+    no_tail = h.payload()[:-2]
+    bad_tail = [
+        invalid(
+            "nothing after the contract (num_streams missing)",
+            frame(HELLO, no_tail),
+            "BAD_HELLO_TAIL",
+        ),
+        invalid("1 byte after the contract", frame(HELLO, no_tail + b"\x02"), "BAD_HELLO_TAIL"),
+        invalid(
+            "3 bytes after the contract: a trailing byte",
+            frame(HELLO, h.payload() + b"\x00"),
+            "BAD_HELLO_TAIL",
+        ),
+        invalid(
+            "33 bytes after the contract: a profile hash one byte short",
+            frame(HELLO, no_tail + bytes(31) + b"\x02\x00"),
+            "BAD_HELLO_TAIL",
+            "ProfileHash",
+        ),
+        invalid(
+            "36 bytes after the contract: profile hash, num_streams and two trailing bytes",
+            frame(HELLO, replace(h, profile=PROFILES[0].digest()).payload() + b"\x00\x00"),
+            "BAD_HELLO_TAIL",
+            "ProfileHash",
+        ),
+        invalid(
+            "the session contract cut short (payload ends 24 bytes into it)",
+            frame(HELLO, no_tail[:-8]),
+            "TRUNCATED_PAYLOAD",
+            "Truncated",
+        ),
+    ]
+    order = [
+        invalid(
+            "version 3 and generation 0: the version is checked first",
+            frame(HELLO, replace(h, version=3, generation=0).payload()),
+            "UNSUPPORTED_VERSION",
+            "CheckOrder",
+        ),
+        invalid(
+            "learner_id 9 and generation 0: learner_id is checked before the generation",
+            frame(HELLO, replace(h, learner_id=9, generation=0).payload()),
+            "LEARNER_ID_OUT_OF_RANGE",
+            "CheckOrder",
+        ),
+        invalid(
+            "generation 0 and dtype 9: generation first",
+            frame(HELLO, replace(h, generation=0, dtype=9).payload()),
+            "ZERO_GENERATION",
+            "CheckOrder",
+        ),
+        invalid(
+            "dtype 9 and num_fragments 0: dtype first",
+            frame(HELLO, replace(h, dtype=9, fragments=()).payload()),
+            "BAD_DTYPE",
+            "CheckOrder",
+        ),
+        invalid(
+            "merge_mode 7 and num_tensors 0: merge_mode first",
+            frame(HELLO, replace(h, fragments=(WireFragment(7, ()),)).payload()),
+            "BAD_MERGE_MODE",
+            "CheckOrder",
+        ),
+        invalid(
+            "numel 0 and a bad iso shape: numels before shapes",
+            frame(HELLO, replace(h, fragments=(WireFragment(ISO, (0,), ((2, 2),)),)).payload()),
+            "ZERO_NUMEL",
+            "CheckOrder",
+            "Iso",
+        ),
+        invalid(
+            "bad iso shape and num_streams 300: shapes before num_streams",
+            frame(
+                HELLO,
+                replace(
+                    h, fragments=(WireFragment(ISO, (4,), ((3, 2),)),), num_streams=300
+                ).payload(),
+            ),
+            "BAD_ISO_SHAPE",
+            "CheckOrder",
+            "Iso",
+        ),
+    ]
+    first_frame_limit = [
+        header_error(
+            "HELLO declaring 16 MiB + 1 bytes",
+            HELLO,
+            FIRST_FRAME_LIMIT + 1,
+            "FRAME_TOO_LARGE",
+            "FirstFrame",
+            "Boundary",
+        ),
+        header_error(
+            "HELLO declaring 2^62 bytes",
+            HELLO,
+            1 << 62,
+            "FRAME_TOO_LARGE",
+            "FirstFrame",
+            "HugeLength",
+        ),
+        header_error(
+            "HELLO declaring 2^63 bytes",
+            HELLO,
+            1 << 63,
+            "FRAME_TOO_LARGE",
+            "FirstFrame",
+            "HugeLength",
+        ),
+        header_error(
+            "HELLO declaring 2^64-1 bytes, followed by the start of a real payload",
+            HELLO,
+            U64_MAX,
+            "FRAME_TOO_LARGE",
+            "FirstFrame",
+            "HugeLength",
+            body=h.payload()[:16],
+        ),
+    ]
+    unchecked = [
+        valid(
+            "learner_id 2^32-1 is in range when the syncer was given no learner count",
+            replace(h, learner_id=U32_MAX).built(),
+            "Boundary",
+        ),
+        valid("learner_id 4", replace(h, learner_id=4).built(), "Normal"),
+        valid("learner_id 1000", replace(h, learner_id=1000, generation=77).built(), "Normal"),
+        invalid(
+            "generation 0 is refused regardless",
+            frame(HELLO, replace(h, generation=0).payload()),
+            "ZERO_GENERATION",
+        ),
+    ]
+    later = [
+        header_error(
+            "a second HELLO on a socket whose first frame was HELLO",
+            HELLO,
+            len(h.payload()),
+            "UNEXPECTED_HELLO",
+            body=h.payload(),
+        ),
+        header_error(
+            "a second HELLO from another learner",
+            HELLO,
+            len(h.payload()),
+            "UNEXPECTED_HELLO",
+            body=replace(h, learner_id=2, generation=5).payload(),
+        ),
+        header_error(
+            "a second HELLO declaring 2^63 bytes: still the same code",
+            HELLO,
+            1 << 63,
+            "UNEXPECTED_HELLO",
+            "HugeLength",
+        ),
+    ]
+    return vector_file(
+        "HELLO",
+        [
+            "HELLO (type 1, learner -> syncer): the first frame of a learner's control socket.",
+            "Payload checks run in the pinned order; the numeric layout drives decoding.",
+        ],
+        [
+            frame_group(
+                fresh_syncer(),
+                good + bad_version + bad_fields + bad_tail + order + first_frame_limit,
+            ),
+            frame_group(fresh_syncer(num_learners=None), unchecked),
+            frame_group(S_F32.context("syncer", num_learners=4), later),
+            frame_group(
+                S_F32.context("learner"),
+                [
+                    header_error(
+                        "HELLO sent to a learner",
+                        HELLO,
+                        len(h.payload()),
+                        "WRONG_DIRECTION",
+                        "Direction",
+                        body=h.payload(),
+                    )
+                ],
+            ),
+        ],
+    )
+
+
+def hello_variants_file() -> Json:
+    h = BASE_HELLO
+    iso_pair = WireFragment(ISO, (6, 12), ((3, 2), (4, 3)))
+
+    def iso(*fragments: WireFragment) -> HelloFields:
+        return replace(h, fragments=fragments)
+
+    iso_tests = [
+        valid("one iso fragment with two matrices", iso(iso_pair).built(), "Iso"),
+        valid(
+            "avg, iso and rda fragments mixed",
+            iso(WireFragment(AVG, (3,)), iso_pair, WireFragment(RDA, (2, 2))).built(),
+            "Iso",
+        ),
+        valid(
+            "a 1 x 1 iso matrix", iso(WireFragment(ISO, (1,), ((1, 1),))).built(), "Iso", "Boundary"
+        ),
+        valid("a 1 x 7 iso row", iso(WireFragment(ISO, (7,), ((1, 7),))).built(), "Iso"),
+        valid(
+            "iso with a profile hash and bf16",
+            replace(S_BF16.hello, profile=PROFILES[1].digest()).built(),
+            "Iso",
+            "ProfileHash",
+        ),
+        invalid(
+            "rows * cols != numel",
+            frame(HELLO, iso(WireFragment(ISO, (6,), ((4, 2),))).payload()),
+            "BAD_ISO_SHAPE",
+            "Iso",
+        ),
+        invalid(
+            "rows 0",
+            frame(HELLO, iso(WireFragment(ISO, (6,), ((0, 6),))).payload()),
+            "BAD_ISO_SHAPE",
+            "Iso",
+        ),
+        invalid(
+            "cols 0",
+            frame(HELLO, iso(WireFragment(ISO, (6,), ((6, 0),))).payload()),
+            "BAD_ISO_SHAPE",
+            "Iso",
+        ),
+        invalid(
+            "rows (2^32+1) * cols (2^32) wraps to 2^32 = numel in u64 arithmetic",
+            frame(HELLO, iso(WireFragment(ISO, (1 << 32,), (((1 << 32) + 1, 1 << 32),))).payload()),
+            "BAD_ISO_SHAPE",
+            "Iso",
+            "IntegerOverflow",
+        ),
+        invalid(
+            "second matrix wrong, first right",
+            frame(HELLO, iso(WireFragment(ISO, (6, 12), ((3, 2), (3, 3)))).payload()),
+            "BAD_ISO_SHAPE",
+            "Iso",
+        ),
+        invalid(
+            "an iso fragment without its shapes: the fingerprint is misread as shapes",
+            frame(
+                HELLO,
+                patched(iso(WireFragment(AVG, (6,))).payload(), HELLO_FIRST_FRAGMENT_AT, b"\x02"),
+            ),
+            "BAD_ISO_SHAPE",
+            "Iso",
+        ),
+        invalid(
+            "an avg fragment followed by shapes: 16 extra bytes before the tail",
+            frame(
+                HELLO,
+                patched(
+                    iso(WireFragment(ISO, (6,), ((3, 2),))).payload(),
+                    HELLO_FIRST_FRAGMENT_AT,
+                    b"\x00",
+                ),
+            ),
+            "BAD_HELLO_TAIL",
+            "Iso",
+        ),
+        invalid(
+            "iso shapes cut off by the end of the payload",
+            frame(
+                HELLO,
+                iso(WireFragment(ISO, (6,) * 8, ((3, 2),) * 8)).payload()[
+                    : HELLO_FIRST_FRAGMENT_AT + 5 + 64 + 60
+                ],
+            ),
+            "TRUNCATED_PAYLOAD",
+            "Iso",
+            "Truncated",
+        ),
+    ]
+    profile_tests = [
+        valid(
+            f"profile hash of configuration #{i}",
+            replace(h, profile=p.digest()).built(),
+            "ProfileHash",
+        )
+        for i, p in enumerate(PROFILES[:3])
+    ] + [
+        valid(
+            "profile hash with num_streams 0",
+            replace(h, profile=PROFILES[3].digest(), num_streams=0).built(),
+            "ProfileHash",
+            "Boundary",
+        ),
+        invalid(
+            "profile hash and num_streams 257",
+            frame(HELLO, replace(h, profile=PROFILES[0].digest(), num_streams=257).payload()),
+            "TOO_MANY_STREAMS",
+            "ProfileHash",
+        ),
+    ]
+
+    def signed(fields: HelloFields, key: bytes = HELLO_KEY) -> bytes:
+        body = fields.payload()
+        return body + hello_mac(key, body)
+
+    def signed_valid(comment: str, fields: HelloFields, *flags: str) -> Json:
+        return valid(comment, (frame(HELLO, signed(fields)), fields.decoded()), "HelloMac", *flags)
+
+    good_mac = signed(h)
+    mac_tests = [
+        signed_valid("signed HELLO of the f32 session", h),
+        signed_valid(
+            "signed HELLO with a profile hash",
+            replace(h, profile=PROFILES[1].digest()),
+            "ProfileHash",
+        ),
+        signed_valid("signed HELLO of the bf16 session with an iso fragment", S_BF16.hello, "Iso"),
+        signed_valid("signed HELLO of the q4 session", S_Q4.hello),
+        invalid(
+            "last MAC byte flipped",
+            frame(HELLO, good_mac[:-1] + bytes([good_mac[-1] ^ 1])),
+            "HELLO_AUTH_FAILED",
+            "HelloMac",
+        ),
+        invalid(
+            "unsigned HELLO to a syncer that has a key",
+            frame(HELLO, h.payload()),
+            "HELLO_AUTH_FAILED",
+            "HelloMac",
+        ),
+        invalid(
+            "signed with another key",
+            frame(HELLO, signed(h, OTHER_KEY)),
+            "HELLO_AUTH_FAILED",
+            "HelloMac",
+        ),
+        invalid(
+            "body changed after signing (learner_id 0 -> 1)",
+            frame(HELLO, good_mac[:2] + b"\x01" + good_mac[3:]),
+            "HELLO_AUTH_FAILED",
+            "HelloMac",
+        ),
+        invalid(
+            "MAC computed without the domain string",
+            frame(HELLO, h.payload() + hmac.new(HELLO_KEY, h.payload(), hashlib.sha256).digest()),
+            "HELLO_AUTH_FAILED",
+            "HelloMac",
+        ),
+        invalid(
+            "payload shorter than a MAC",
+            frame(HELLO, bytes(31)),
+            "HELLO_AUTH_FAILED",
+            "HelloMac",
+            "Truncated",
+        ),
+        invalid("empty payload", frame(HELLO, b""), "HELLO_AUTH_FAILED", "HelloMac", "Truncated"),
+        invalid(
+            "a correctly signed version-3 body: the MAC is checked, then the version",
+            frame(HELLO, signed(replace(h, version=3))),
+            "UNSUPPORTED_VERSION",
+            "HelloMac",
+            "CheckOrder",
+        ),
+        invalid(
+            "a wrongly signed version-3 body: the MAC is checked before anything is parsed",
+            frame(HELLO, signed(replace(h, version=3), OTHER_KEY)),
+            "HELLO_AUTH_FAILED",
+            "HelloMac",
+            "CheckOrder",
+        ),
+        invalid(
+            "a correctly signed body with a trailing byte",
+            frame(HELLO, signed(h)[:-32] + b"\x00" + hello_mac(HELLO_KEY, h.payload() + b"\x00")),
+            "BAD_HELLO_TAIL",
+            "HelloMac",
+        ),
+    ]
+    unkeyed = [
+        invalid(
+            "a signed HELLO with a profile hash to a syncer without a key: 66 bytes remain",
+            frame(HELLO, signed(replace(h, profile=PROFILES[1].digest()))),
+            "BAD_HELLO_TAIL",
+            "HelloMac",
+            "ProfileHash",
+        ),
+    ]
+    return vector_file(
+        "HELLO",
+        [
+            "HELLO variants: iso shapes, the optional syncer profile hash, and the optional MAC.",
+            "With a key, payload = body | HMAC-SHA256(key, 'yeto-hello-mac-v1\\0' | body); the",
+            "syncer strips and checks the last 32 bytes before parsing the body.",
+        ],
+        [
+            frame_group(fresh_syncer(), iso_tests),
+            frame_group(fresh_syncer(), profile_tests),
+            frame_group(fresh_syncer(hello_key=HELLO_KEY), mac_tests),
+            frame_group(fresh_syncer(), unkeyed),
+        ],
+    )
+
+
+# -- DATA_HELLO ----------------------------------------------------------------------------------
+
+
+def data_hello_file() -> Json:
+    body = data_hello(1, 7, 1)[0][HEADER_SIZE:]
+    first = [
+        valid("stream 0 of learner 0, generation 1", data_hello(0, 1, 0), "Normal"),
+        valid("stream 1 of learner 1, generation 7", data_hello(1, 7, 1), "Normal"),
+        valid(
+            "learner M-1, generation 2^64-1, stream 255", data_hello(3, U64_MAX, 255), "Boundary"
+        ),
+        acceptable(
+            "stream_idx 256: no HELLO can declare that many streams",
+            data_hello(0, 1, 256),
+            "BAD_STREAM_INDEX",
+            "Boundary",
+        ),
+        acceptable("stream_idx 65535", data_hello(2, 3, U16_MAX), "BAD_STREAM_INDEX", "Boundary"),
+        invalid(
+            "protocol_version 3",
+            data_hello(0, 1, 0, version=3)[0],
+            "UNSUPPORTED_VERSION",
+            "Version",
+        ),
+        invalid(
+            "protocol_version 0",
+            data_hello(0, 1, 0, version=0)[0],
+            "UNSUPPORTED_VERSION",
+            "Version",
+        ),
+        invalid("learner_id = M", data_hello(4, 1, 0)[0], "LEARNER_ID_OUT_OF_RANGE", "Boundary"),
+        invalid("learner_id 2^32-1", data_hello(U32_MAX, 1, 0)[0], "LEARNER_ID_OUT_OF_RANGE"),
+        invalid("connection_generation 0", data_hello(0, 0, 0)[0], "ZERO_GENERATION"),
+        invalid(
+            "version 3 and generation 0: version first",
+            data_hello(0, 0, 0, version=3)[0],
+            "UNSUPPORTED_VERSION",
+            "CheckOrder",
+        ),
+        header_error("len 15", DATA_HELLO, 15, "BAD_FRAME_LENGTH", "ExactSize", body=body[:15]),
+        header_error(
+            "len 17: a trailing byte",
+            DATA_HELLO,
+            17,
+            "BAD_FRAME_LENGTH",
+            "ExactSize",
+            body=body + b"\x00",
+        ),
+        header_error("len 0", DATA_HELLO, 0, "BAD_FRAME_LENGTH", "ExactSize"),
+        header_error(
+            "len 2^63", DATA_HELLO, 1 << 63, "BAD_FRAME_LENGTH", "ExactSize", "HugeLength"
+        ),
+    ]
+    unchecked = [
+        valid(
+            "learner_id 2^32-1 with no learner count configured",
+            data_hello(U32_MAX, 9, 0),
+            "Boundary",
+        ),
+        valid("learner_id 12", data_hello(12, 2, 3), "Normal"),
+        valid("learner_id 0, stream 2", data_hello(0, 5, 2), "Normal"),
+    ]
+    later = [
+        header_error(
+            "DATA_HELLO after the socket's first frame",
+            DATA_HELLO,
+            16,
+            "UNEXPECTED_HELLO",
+            body=body,
+        ),
+        header_error(
+            "DATA_HELLO after the first frame, len 2^63",
+            DATA_HELLO,
+            1 << 63,
+            "UNEXPECTED_HELLO",
+            "HugeLength",
+        ),
+    ]
+    to_learner = [
+        header_error(
+            "DATA_HELLO sent to a learner",
+            DATA_HELLO,
+            16,
+            "WRONG_DIRECTION",
+            "Direction",
+            body=body,
+        ),
+    ]
+    return vector_file(
+        "DATA_HELLO",
+        [
+            "DATA_HELLO (type 8, learner -> syncer): the first frame of a data socket,",
+            "exactly 16 bytes.",
+            "stream_idx is 0-based; that it is below the group's num_streams is a session check.",
+        ],
+        [
+            frame_group(fresh_syncer(session=S_BF16), first),
+            frame_group(fresh_syncer(num_learners=None, session=S_BF16), unchecked),
+            frame_group(S_BF16.context("syncer", num_learners=4), later),
+            frame_group(S_BF16.context("learner"), to_learner),
+        ],
+    )
+
+
+# -- bulk frames ---------------------------------------------------------------------------------
+
+
+def init_params_file() -> Json:
+    def f32_groups() -> list[Json]:
+        s = S_F32
+        nan = f32_bytes([1.0, 2.0]) + bytes.fromhex("0000c07f") + f32_bytes([0.5, 0.25])
+        inf = f32_bytes([1.0, 2.0, float("inf")])
+        return [
+            valid("fragment 0 (5 f32)", init_params(0, s.bulk(0, "init/f32/0")), "Normal"),
+            valid("fragment 1 (3 f32)", init_params(1, s.bulk(1, "init/f32/1")), "Normal"),
+            valid("all zeros", init_params(1, bytes(12)), "Normal"),
+            acceptable(
+                "a NaN value: the syncer rejects non-finite INIT values",
+                init_params(0, nan),
+                "NON_FINITE_VALUE",
+                "NaN",
+            ),
+            acceptable("+inf", init_params(1, inf), "NON_FINITE_VALUE"),
+            invalid(
+                "fragment_id 2 = F",
+                init_params(2, s.bulk(1, "x"))[0],
+                "BAD_FRAGMENT_ID",
+                "Boundary",
+            ),
+            invalid(
+                "fragment_id 2^32-1", init_params(U32_MAX, s.bulk(1, "x"))[0], "BAD_FRAGMENT_ID"
+            ),
+            invalid(
+                "fragment 0 one element short",
+                init_params(0, s.bulk(0, "x")[:-4])[0],
+                "BAD_TENSOR_LENGTH",
+                "SessionSize",
+            ),
+            invalid(
+                "fragment 1 one element long (still within the frame limit)",
+                init_params(1, s.bulk(1, "x") + bytes(4))[0],
+                "BAD_TENSOR_LENGTH",
+                "SessionSize",
+            ),
+            invalid(
+                "fragment 1 carrying fragment 0's byte count",
+                init_params(1, s.bulk(0, "x"))[0],
+                "BAD_TENSOR_LENGTH",
+                "SessionSize",
+            ),
+            invalid(
+                "fragment 0 with one stray byte",
+                init_params(0, s.bulk(0, "x") + b"\x00")[0],
+                "FRAME_TOO_LARGE",
+                "Limit",
+                fail_after=HEADER_SIZE,
+            ),
+            invalid(
+                "fragment_id 5 and a wrong length: the id is checked first",
+                init_params(5, bytes(8))[0],
+                "BAD_FRAGMENT_ID",
+                "CheckOrder",
+            ),
+            invalid(
+                "payload ends inside fragment_id",
+                frame(INIT_PARAMS, b"\x00\x00\x00"),
+                "TRUNCATED_PAYLOAD",
+                "Truncated",
+            ),
+            invalid("empty payload", frame(INIT_PARAMS, b""), "TRUNCATED_PAYLOAD", "Truncated"),
+            header_error(
+                "len = limit + 1 (4 + 5*4 + 1)",
+                INIT_PARAMS,
+                25,
+                "FRAME_TOO_LARGE",
+                "Limit",
+                "Boundary",
+            ),
+            header_error("len 2^63", INIT_PARAMS, 1 << 63, "FRAME_TOO_LARGE", "HugeLength"),
+            header_error("len 2^62", INIT_PARAMS, 1 << 62, "FRAME_TOO_LARGE", "HugeLength"),
+        ]
+
+    def bf16_groups() -> list[Json]:
+        s = S_BF16
+        return [
+            valid("fragment 0 (6 bf16)", init_params(0, s.bulk(0, "init/bf16/0")), "Normal"),
+            valid(
+                "fragment 1, the iso fragment (4 bf16)",
+                init_params(1, s.bulk(1, "init/bf16/1")),
+                "Normal",
+                "Iso",
+            ),
+            acceptable(
+                "bf16 -inf (0xff80)",
+                init_params(1, bytes.fromhex("803f000080ff0040")),
+                "NON_FINITE_VALUE",
+            ),
+            invalid(
+                "an odd byte count",
+                init_params(1, s.bulk(1, "x")[:-1])[0],
+                "BAD_TENSOR_LENGTH",
+                "SessionSize",
+            ),
+            invalid(
+                "f32 bytes for fragment 1 in a bf16 session: 4 + 16 > the limit 4 + 12",
+                init_params(1, S_F32.bulk(0, "x", count=4))[0],
+                "FRAME_TOO_LARGE",
+                "Limit",
+                fail_after=HEADER_SIZE,
+            ),
+        ]
+
+    def q4_groups() -> list[Json]:
+        s = S_Q4
+        return [
+            valid(
+                "fragment 0: INIT stays bf16 in a q4 session (257 values)",
+                init_params(0, s.bulk(0, "init/q4/0")),
+                "Normal",
+            ),
+            valid("fragment 1 (4 bf16)", init_params(1, s.bulk(1, "init/q4/1")), "Normal"),
+            invalid(
+                "fragment 1 sent as one q4 block (132 bytes) instead of 4 bf16",
+                init_params(1, q4_encode(sample_values("x", 4)))[0],
+                "BAD_TENSOR_LENGTH",
+                "SessionSize",
+            ),
+        ]
+
+    # bf16 -inf written out: 1.0, 0.0... as explicit halves
+    to_learner = [
+        header_error(
+            "INIT_PARAMS sent to a learner",
+            INIT_PARAMS,
+            24,
+            "WRONG_DIRECTION",
+            "Direction",
+            body=init_params(0, S_F32.bulk(0, "x"))[0][13:],
+        ),
+    ]
+    return vector_file(
+        "INIT_PARAMS",
+        [
+            "INIT_PARAMS (type 2, learner -> syncer): fragment_id:u32 then the full tensor bytes",
+            "in the bulk dtype (f32, or bf16 for bf16 and q4 sessions).",
+        ],
+        [
+            frame_group(S_F32.context("syncer", num_learners=4), f32_groups()),
+            frame_group(S_BF16.context("syncer", num_learners=4), bf16_groups()),
+            frame_group(S_Q4.context("syncer", num_learners=4), q4_groups()),
+            frame_group(S_F32.context("learner"), to_learner),
+        ],
+    )
+
+
+def push_fragment_file() -> Json:
+    f32, bf16, q4 = S_F32, S_BF16, S_Q4
+
+    def scaled_block(scale_bits: str) -> bytes:
+        """One q4 block for 4 values with its scale replaced by raw f32 bits."""
+        block = q4_encode(np.array([1.0, -0.5, 0.25, 0.0], dtype=np.float32))
+        return bytes.fromhex(scale_bits) + block[4:]
+
+    f32_tests = [
+        valid("f32 delta for fragment 0", push_fragment(f32.push_delta(0, "push/f32/0")), "Normal"),
+        valid(
+            "f32 delta for fragment 1, learner 3, attempt 2",
+            push_fragment(
+                f32.push_delta(1, "push/f32/1"), learner_id=3, fragment_id=1, round_attempt=2
+            ),
+            "Normal",
+        ),
+        valid(
+            "every counter at its maximum",
+            push_fragment(
+                f32.push_delta(1, "push/f32/max"),
+                learner_id=U32_MAX,
+                fragment_id=1,
+                global_step=U64_MAX,
+                round_attempt=U32_MAX,
+                base_version=U64_MAX,
+                local_step=U64_MAX,
+                c_steps=U32_MAX,
+                c_tokens=U64_MAX,
+            ),
+            "Boundary",
+        ),
+        valid(
+            "c_steps 1, c_tokens 0",
+            push_fragment(f32.push_delta(0, "push/f32/c1"), c_steps=1, c_tokens=0),
+            "Boundary",
+        ),
+        acceptable(
+            "a NaN delta value",
+            push_fragment(
+                f32_bytes([0.5, 1.0, 2.0]) + bytes.fromhex("0000c0ff") + f32_bytes([1.0])
+            ),
+            "NON_FINITE_VALUE",
+            "NaN",
+        ),
+        invalid(
+            "c_steps 0",
+            push_fragment(f32.push_delta(0, "x"), c_steps=0)[0],
+            "ZERO_C_STEPS",
+            "Boundary",
+        ),
+        invalid(
+            "fragment_id 2 = F",
+            push_fragment(f32.push_delta(1, "x"), fragment_id=2)[0],
+            "BAD_FRAGMENT_ID",
+        ),
+        invalid(
+            "fragment 0 one element short",
+            push_fragment(f32.push_delta(0, "x")[:-4])[0],
+            "BAD_TENSOR_LENGTH",
+            "SessionSize",
+        ),
+        invalid(
+            "fragment 1 with fragment 0's byte count",
+            push_fragment(f32.push_delta(0, "x"), fragment_id=1)[0],
+            "BAD_TENSOR_LENGTH",
+            "SessionSize",
+        ),
+        invalid(
+            "payload of 47 bytes ends inside c_tokens",
+            frame(PUSH_FRAGMENT, push_fragment(b"")[0][13:-1]),
+            "TRUNCATED_PAYLOAD",
+            "Truncated",
+        ),
+        header_error(
+            "len = limit + 1 (48 + 20 + 1)",
+            PUSH_FRAGMENT,
+            69,
+            "FRAME_TOO_LARGE",
+            "Limit",
+            "Boundary",
+        ),
+        header_error("len 2^63", PUSH_FRAGMENT, 1 << 63, "FRAME_TOO_LARGE", "HugeLength"),
+    ]
+    bf16_tests = [
+        valid(
+            "bf16 delta for fragment 0", push_fragment(bf16.push_delta(0, "push/bf16/0")), "Normal"
+        ),
+        valid(
+            "bf16 delta for the iso fragment",
+            push_fragment(bf16.push_delta(1, "push/bf16/1"), fragment_id=1),
+            "Normal",
+            "Iso",
+        ),
+        acceptable(
+            "bf16 +inf in a delta",
+            push_fragment(bytes.fromhex("803f807f0000803f"), fragment_id=1),
+            "NON_FINITE_VALUE",
+        ),
+        invalid(
+            "f32 bytes for fragment 1 in a bf16 session: 48 + 16 > the limit 48 + 12",
+            push_fragment(f32_bytes([1, 2, 3, 4]), fragment_id=1)[0],
+            "FRAME_TOO_LARGE",
+            "Limit",
+            fail_after=HEADER_SIZE,
+        ),
+        invalid(
+            "fragment 1 carrying fragment 0's bf16 byte count",
+            push_fragment(bf16.push_delta(0, "x"), fragment_id=1)[0],
+            "BAD_TENSOR_LENGTH",
+            "SessionSize",
+        ),
+    ]
+    q4_tests = [
+        valid(
+            "q4 delta for fragment 0: two blocks (257 values)",
+            push_fragment(q4.push_delta(0, "push/q4/0")),
+            "Normal",
+            "Padding",
+        ),
+        valid(
+            "q4 delta for fragment 1: one block, 252 padding values",
+            push_fragment(q4.push_delta(1, "push/q4/1"), fragment_id=1),
+            "Normal",
+            "Padding",
+        ),
+        valid(
+            "the golden q4 block [1, -0.5, 0.25, 0] for fragment 1",
+            push_fragment(scaled_block("0000803f"), fragment_id=1),
+            "Normal",
+            "Padding",
+        ),
+        acceptable(
+            "q4 scale NaN",
+            push_fragment(scaled_block("0000c07f"), fragment_id=1),
+            "BAD_Q4_SCALE",
+            "NaN",
+        ),
+        acceptable(
+            "q4 scale +inf", push_fragment(scaled_block("0000807f"), fragment_id=1), "BAD_Q4_SCALE"
+        ),
+        acceptable(
+            "q4 scale -1.0", push_fragment(scaled_block("000080bf"), fragment_id=1), "BAD_Q4_SCALE"
+        ),
+        invalid(
+            "fragment 0 with one q4 block instead of two",
+            push_fragment(q4.push_delta(1, "x"))[0],
+            "BAD_TENSOR_LENGTH",
+            "SessionSize",
+        ),
+        invalid(
+            "fragment 1 as raw bf16 (8 bytes) instead of a q4 block",
+            push_fragment(q4.bulk(1, "x"), fragment_id=1)[0],
+            "BAD_TENSOR_LENGTH",
+            "SessionSize",
+        ),
+        invalid(
+            "fragment 1 with a q4 block and one stray byte",
+            push_fragment(q4.push_delta(1, "x") + b"\x00", fragment_id=1)[0],
+            "BAD_TENSOR_LENGTH",
+            "SessionSize",
+        ),
+        header_error(
+            "len = limit + 1 (48 + 264 + 1)",
+            PUSH_FRAGMENT,
+            313,
+            "FRAME_TOO_LARGE",
+            "Limit",
+            "Boundary",
+        ),
+    ]
+    to_learner = [
+        header_error(
+            "PUSH_FRAGMENT sent to a learner", PUSH_FRAGMENT, 68, "WRONG_DIRECTION", "Direction"
+        ),
+    ]
+    return vector_file(
+        "PUSH_FRAGMENT",
+        [
+            "PUSH_FRAGMENT (type 4, learner -> syncer): 48 bytes of counters, then the learner",
+            "delta (local - raw anchor) in the push dtype: f32, bf16, or q4 blocks of 132 bytes.",
+        ],
+        [
+            frame_group(f32.context("syncer", num_learners=4), f32_tests),
+            frame_group(bf16.context("syncer", num_learners=4), bf16_tests),
+            frame_group(q4.context("syncer", num_learners=4), q4_tests),
+            frame_group(f32.context("learner"), to_learner),
+        ],
+    )
+
+
+def bcast_fragment_file() -> Json:
+    def bcast(fragment_id: int, version: int, data: bytes) -> tuple[bytes, Json]:
+        return versioned_fragment(BCAST_FRAGMENT, fragment_id, version, data)
+
+    f32_tests = [
+        valid(
+            "fragment 0 at version 0 (right after INIT)",
+            bcast(0, 0, S_F32.bulk(0, "bcast/f32/0")),
+            "Normal",
+        ),
+        valid("fragment 1 at version 2", bcast(1, 2, S_F32.bulk(1, "bcast/f32/1")), "Normal"),
+        valid("version 2^64-1", bcast(1, U64_MAX, S_F32.bulk(1, "bcast/f32/max")), "Boundary"),
+        invalid(
+            "fragment_id 2 = F", bcast(2, 1, S_F32.bulk(1, "x"))[0], "BAD_FRAGMENT_ID", "Boundary"
+        ),
+        invalid(
+            "fragment 0 one element short",
+            bcast(0, 1, S_F32.bulk(0, "x")[:-4])[0],
+            "BAD_TENSOR_LENGTH",
+            "SessionSize",
+        ),
+        invalid(
+            "payload of 11 bytes ends inside version",
+            frame(BCAST_FRAGMENT, bytes(11)),
+            "TRUNCATED_PAYLOAD",
+            "Truncated",
+        ),
+        header_error(
+            "len = limit + 1 (12 + 20 + 1)",
+            BCAST_FRAGMENT,
+            33,
+            "FRAME_TOO_LARGE",
+            "Limit",
+            "Boundary",
+        ),
+        header_error("len 2^63", BCAST_FRAGMENT, 1 << 63, "FRAME_TOO_LARGE", "HugeLength"),
+    ]
+    bf16_tests = [
+        valid("fragment 0 (6 bf16)", bcast(0, 3, S_BF16.bulk(0, "bcast/bf16/0")), "Normal"),
+        valid(
+            "the iso fragment (4 bf16)",
+            bcast(1, 4, S_BF16.bulk(1, "bcast/bf16/1")),
+            "Normal",
+            "Iso",
+        ),
+        invalid(
+            "f32 bytes for fragment 0 in a bf16 session: 12 + 24 > the limit 12 + 12",
+            bcast(0, 3, S_F32.bulk(0, "x", count=6))[0],
+            "FRAME_TOO_LARGE",
+            "Limit",
+            fail_after=HEADER_SIZE,
+        ),
+        invalid(
+            "fragment 1 with an odd byte count",
+            bcast(1, 4, S_BF16.bulk(1, "x")[:-1])[0],
+            "BAD_TENSOR_LENGTH",
+            "SessionSize",
+        ),
+    ]
+    q4_tests = [
+        valid(
+            "BCAST stays bf16 in a q4 session (257 values)",
+            bcast(0, 1, S_Q4.bulk(0, "bcast/q4/0")),
+            "Normal",
+        ),
+        valid("fragment 1 (4 bf16)", bcast(1, 2, S_Q4.bulk(1, "bcast/q4/1")), "Normal"),
+        invalid(
+            "fragment 1 sent as a q4 block",
+            bcast(1, 2, q4_encode(sample_values("x", 4)))[0],
+            "BAD_TENSOR_LENGTH",
+            "SessionSize",
+        ),
+    ]
+    to_syncer = [
+        header_error(
+            "BCAST_FRAGMENT sent to the syncer", BCAST_FRAGMENT, 32, "WRONG_DIRECTION", "Direction"
+        ),
+    ]
+    return vector_file(
+        "BCAST_FRAGMENT",
+        [
+            "BCAST_FRAGMENT (type 5, syncer -> learner): fragment_id:u32, version:u64, then the",
+            "full global fragment in the bulk dtype (f32, or bf16 for bf16 and q4 sessions).",
+        ],
+        [
+            frame_group(S_F32.context("learner"), f32_tests),
+            frame_group(S_BF16.context("learner"), bf16_tests),
+            frame_group(S_Q4.context("learner"), q4_tests),
+            frame_group(S_F32.context("syncer", num_learners=4), to_syncer),
+        ],
+    )
+
+
+def final_fragment_file() -> Json:
+    def final(fragment_id: int, version: int, data: bytes) -> tuple[bytes, Json]:
+        return versioned_fragment(FINAL_FRAGMENT, fragment_id, version, data)
+
+    f32_tests = [
+        valid("fragment 0 at version 7", final(0, 7, S_F32.final(0, "final/f32/0")), "Normal"),
+        valid("fragment 1 at version 8", final(1, 8, S_F32.final(1, "final/f32/1")), "Normal"),
+        valid(
+            "version 0 (no round ever committed)",
+            final(1, 0, S_F32.final(1, "final/f32/v0")),
+            "Boundary",
+        ),
+        invalid(
+            "fragment_id 2 = F", final(2, 8, S_F32.final(1, "x"))[0], "BAD_FRAGMENT_ID", "Boundary"
+        ),
+        invalid(
+            "fragment 0 one element short",
+            final(0, 7, S_F32.final(0, "x")[:-4])[0],
+            "BAD_TENSOR_LENGTH",
+            "SessionSize",
+        ),
+        invalid(
+            "not a whole number of f32 values (4*4 + 1 bytes)",
+            final(0, 7, S_F32.final(0, "x", count=4) + b"\x00")[0],
+            "BAD_TENSOR_LENGTH",
+            "SessionSize",
+        ),
+        invalid(
+            "payload of 11 bytes",
+            frame(FINAL_FRAGMENT, bytes(11)),
+            "TRUNCATED_PAYLOAD",
+            "Truncated",
+        ),
+        header_error(
+            "len = limit + 1 (12 + 20 + 1)",
+            FINAL_FRAGMENT,
+            33,
+            "FRAME_TOO_LARGE",
+            "Limit",
+            "Boundary",
+        ),
+        header_error("len 2^63", FINAL_FRAGMENT, 1 << 63, "FRAME_TOO_LARGE", "HugeLength"),
+    ]
+    bf16_tests = [
+        valid(
+            "always f32, even in a bf16 session (6 values)",
+            final(0, 5, S_BF16.final(0, "final/bf16/0")),
+            "Normal",
+        ),
+        valid(
+            "the iso fragment in f32", final(1, 6, S_BF16.final(1, "final/bf16/1")), "Normal", "Iso"
+        ),
+        invalid(
+            "bf16 bytes for fragment 0 in a bf16 session",
+            final(0, 5, S_BF16.bulk(0, "x"))[0],
+            "BAD_TENSOR_LENGTH",
+            "SessionSize",
+        ),
+    ]
+    q4_tests = [
+        valid(
+            "always f32 in a q4 session (257 values)",
+            final(0, 9, S_Q4.final(0, "final/q4/0")),
+            "Normal",
+        ),
+        invalid(
+            "a q4 block (132 bytes) instead of 4 f32 values",
+            final(1, 9, S_Q4.push_delta(1, "x"))[0],
+            "BAD_TENSOR_LENGTH",
+            "SessionSize",
+        ),
+    ]
+    to_syncer = [
+        header_error(
+            "FINAL_FRAGMENT sent to the syncer", FINAL_FRAGMENT, 32, "WRONG_DIRECTION", "Direction"
+        ),
+    ]
+    return vector_file(
+        "FINAL_FRAGMENT",
+        [
+            "FINAL_FRAGMENT (type 13, syncer -> learner): fragment_id:u32, version:u64, then the",
+            "authoritative fragment, always little-endian f32 whatever the session dtype.",
+        ],
+        [
+            frame_group(S_F32.context("learner"), f32_tests),
+            frame_group(S_BF16.context("learner"), bf16_tests),
+            frame_group(S_Q4.context("learner"), q4_tests),
+            frame_group(S_F32.context("syncer", num_learners=4), to_syncer),
+        ],
+    )
+
+
+# -- small control frames ------------------------------------------------------------------------
+
+
+def pull_req_file() -> Json:
+    body = pull_req(1, 2, 1)[0][HEADER_SIZE:]
+    tests = [
+        valid(
+            "fragment 0, global step 1, attempt 1 (the first round)", pull_req(0, 1, 1), "Normal"
+        ),
+        valid("fragment 1, step 2, attempt 3", pull_req(1, 2, 3), "Normal"),
+        valid("step 2^64-1, attempt 2^32-1", pull_req(1, U64_MAX, U32_MAX), "Boundary"),
+        invalid("fragment_id 2 = F", pull_req(2, 3, 1)[0], "BAD_FRAGMENT_ID", "Boundary"),
+        invalid("fragment_id 2^32-1", pull_req(U32_MAX, 3, 1)[0], "BAD_FRAGMENT_ID"),
+        header_error("len 15", PULL_REQ, 15, "BAD_FRAME_LENGTH", "ExactSize", body=body[:15]),
+        header_error(
+            "len 17: a trailing byte",
+            PULL_REQ,
+            17,
+            "BAD_FRAME_LENGTH",
+            "ExactSize",
+            body=body + b"\x00",
+        ),
+        header_error("len 0", PULL_REQ, 0, "BAD_FRAME_LENGTH", "ExactSize"),
+        header_error("len 2^63", PULL_REQ, 1 << 63, "BAD_FRAME_LENGTH", "ExactSize", "HugeLength"),
+    ]
+    three = [
+        valid("fragment 2 of three", pull_req(2, 3, 1), "Boundary"),
+        invalid("fragment 3 of three", pull_req(3, 4, 1)[0], "BAD_FRAGMENT_ID", "Boundary"),
+    ]
+    to_syncer = [
+        header_error(
+            "PULL_REQ sent to the syncer", PULL_REQ, 16, "WRONG_DIRECTION", "Direction", body=body
+        ),
+    ]
+    return vector_file(
+        "PULL_REQ",
+        [
+            "PULL_REQ (type 3, syncer -> learner): fragment_id:u32, global_step:u64,",
+            "round_attempt:u32; exactly 16 bytes.",
+        ],
+        [
+            frame_group(S_F32.context("learner"), tests),
+            frame_group(S_THREE.context("learner"), three),
+            frame_group(S_F32.context("syncer", num_learners=4), to_syncer),
+        ],
+    )
+
+
+def heartbeat_file() -> Json:
+    body = heartbeat(1, 2)[0][HEADER_SIZE:]
+    tests = [
+        valid("learner 0 at local step 0", heartbeat(0, 0), "Normal"),
+        valid("learner 3 at local step 12345", heartbeat(3, 12345), "Normal"),
+        valid("learner_id 2^32-1, local step 2^64-1", heartbeat(U32_MAX, U64_MAX), "Boundary"),
+        header_error("len 11", HEARTBEAT, 11, "BAD_FRAME_LENGTH", "ExactSize", body=body[:11]),
+        header_error(
+            "len 13: a trailing byte",
+            HEARTBEAT,
+            13,
+            "BAD_FRAME_LENGTH",
+            "ExactSize",
+            body=body + b"\x00",
+        ),
+        header_error("len 0", HEARTBEAT, 0, "BAD_FRAME_LENGTH", "ExactSize"),
+        header_error("len 2^63", HEARTBEAT, 1 << 63, "BAD_FRAME_LENGTH", "ExactSize", "HugeLength"),
+        header_error("len 2^62", HEARTBEAT, 1 << 62, "BAD_FRAME_LENGTH", "ExactSize", "HugeLength"),
+    ]
+    first = [
+        header_error(
+            "HEARTBEAT as a socket's first frame",
+            HEARTBEAT,
+            12,
+            "INVALID_FIRST_FRAME",
+            "FirstFrame",
+            body=body,
+        ),
+    ]
+    to_learner = [
+        header_error(
+            "HEARTBEAT sent to a learner", HEARTBEAT, 12, "WRONG_DIRECTION", "Direction", body=body
+        ),
+    ]
+    return vector_file(
+        "HEARTBEAT",
+        [
+            "HEARTBEAT (type 6, learner -> syncer): learner_id:u32, local_step:u64;",
+            "exactly 12 bytes.",
+        ],
+        [
+            frame_group(S_F32.context("syncer", num_learners=4), tests),
+            frame_group(fresh_syncer(), first),
+            frame_group(S_F32.context("learner"), to_learner),
+        ],
+    )
+
+
+def shutdown_file() -> Json:
+    groups = [
+        frame_group(
+            S_F32.context("learner"), [valid("SHUTDOWN: an empty payload", shutdown(), "Normal")]
+        ),
+        frame_group(
+            S_BF16.context("learner"), [valid("SHUTDOWN in a bf16 session", shutdown(), "Normal")]
+        ),
+        frame_group(
+            S_Q4.context("learner"),
+            [
+                valid("SHUTDOWN in a q4 session", shutdown(), "Normal"),
+                header_error("len 1", SHUTDOWN, 1, "BAD_FRAME_LENGTH", "ExactSize", body=b"\x00"),
+                header_error("len 8", SHUTDOWN, 8, "BAD_FRAME_LENGTH", "ExactSize", body=bytes(8)),
+                header_error(
+                    "len 2^63", SHUTDOWN, 1 << 63, "BAD_FRAME_LENGTH", "ExactSize", "HugeLength"
+                ),
+                header_error(
+                    "len 2^64-1", SHUTDOWN, U64_MAX, "BAD_FRAME_LENGTH", "ExactSize", "HugeLength"
+                ),
+                invalid(
+                    "bad magic",
+                    frame(SHUTDOWN, b"", magic=0xD170C0DF),
+                    "BAD_MAGIC",
+                    fail_after=HEADER_SIZE,
+                ),
+            ],
+        ),
+        frame_group(
+            S_F32.context("syncer", num_learners=4),
+            [
+                header_error(
+                    "SHUTDOWN sent to the syncer", SHUTDOWN, 0, "WRONG_DIRECTION", "Direction"
+                )
+            ],
+        ),
+        frame_group(
+            fresh_syncer(),
+            [
+                header_error(
+                    "SHUTDOWN as a socket's first frame",
+                    SHUTDOWN,
+                    0,
+                    "INVALID_FIRST_FRAME",
+                    "FirstFrame",
+                )
+            ],
+        ),
+    ]
+    return vector_file(
+        "SHUTDOWN",
+        ["SHUTDOWN (type 7, syncer -> learner): an empty payload; exactly 0 bytes."],
+        groups,
+    )
+
+
+def error_file() -> Json:
+    tests = [
+        valid(
+            "the first-frame refusal",
+            error_frame("invalid first frame: type 3 (expected HELLO or DATA_HELLO)"),
+            "Normal",
+        ),
+        valid(
+            "HELLO authentication failure",
+            error_frame("HELLO authentication failed: MAC does not verify"),
+            "Normal",
+        ),
+        valid("multi-byte UTF-8", error_frame("Größe ≠ 5 — fragment ✓ 🚀"), "Unicode"),
+        valid("empty text", error_frame(""), "Boundary"),
+        valid(
+            "a NUL and a newline are valid UTF-8", error_frame("line one\nline\x00two"), "Unicode"
+        ),
+        invalid("0xff is never UTF-8", frame(ERROR, b"bad \xff byte"), "INVALID_UTF8", "Unicode"),
+        invalid(
+            "overlong encoding of '/' (c0 af)", frame(ERROR, b"\xc0\xaf"), "INVALID_UTF8", "Unicode"
+        ),
+        invalid(
+            "encoded surrogate U+D800 (ed a0 80)",
+            frame(ERROR, b"x\xed\xa0\x80"),
+            "INVALID_UTF8",
+            "Unicode",
+        ),
+        invalid(
+            "a three-byte sequence cut short",
+            frame(ERROR, b"price \xe2\x82"),
+            "INVALID_UTF8",
+            "Unicode",
+            "Truncated",
+        ),
+        invalid(
+            "above U+10FFFF (f4 90 80 80)",
+            frame(ERROR, b"\xf4\x90\x80\x80"),
+            "INVALID_UTF8",
+            "Unicode",
+        ),
+        invalid("a lone continuation byte", frame(ERROR, b"a\x80b"), "INVALID_UTF8", "Unicode"),
+        header_error(
+            "len 65537, one over the limit",
+            ERROR,
+            ERROR_LIMIT + 1,
+            "FRAME_TOO_LARGE",
+            "Limit",
+            "Boundary",
+        ),
+        header_error("len 2^63", ERROR, 1 << 63, "FRAME_TOO_LARGE", "HugeLength"),
+    ]
+    to_syncer = [
+        header_error(
+            "ERROR sent to the syncer", ERROR, 5, "WRONG_DIRECTION", "Direction", body=b"oops!"
+        ),
+    ]
+    return vector_file(
+        "ERROR",
+        [
+            "ERROR (type 10, syncer -> learner): a UTF-8 reason of at most 65,536 bytes;",
+            "the syncer then closes the connection.",
+        ],
+        [
+            frame_group(S_BF16.context("learner"), tests),
+            frame_group(S_BF16.context("syncer", num_learners=4), to_syncer),
+        ],
+    )
+
+
+def final_manifest_file() -> Json:
+    body = final_manifest(8, [7, 8])[0][HEADER_SIZE:]
+    two = [
+        valid("final step 8, versions [7, 8]", final_manifest(8, [7, 8]), "Normal"),
+        valid("final step 0: nothing committed", final_manifest(0, [0, 0]), "Boundary"),
+        valid("every value 2^64-1", final_manifest(U64_MAX, [U64_MAX, U64_MAX]), "Boundary"),
+        invalid(
+            "revision 0", final_manifest(8, [7, 8], revision=0)[0], "BAD_FINAL_REVISION", "Version"
+        ),
+        invalid(
+            "revision 2", final_manifest(8, [7, 8], revision=2)[0], "BAD_FINAL_REVISION", "Version"
+        ),
+        invalid(
+            "num_fragments 3 in a 30-byte payload",
+            frame(FINAL_MANIFEST, body[:10] + struct.pack("<I", 3) + body[14:]),
+            "BAD_MANIFEST",
+        ),
+        invalid(
+            "num_fragments 1 in a 30-byte payload",
+            frame(FINAL_MANIFEST, body[:10] + struct.pack("<I", 1) + body[14:]),
+            "BAD_MANIFEST",
+        ),
+        invalid(
+            "num_fragments 2^32-1",
+            frame(FINAL_MANIFEST, body[:10] + struct.pack("<I", U32_MAX) + body[14:]),
+            "BAD_MANIFEST",
+            "CountBeyondPayload",
+        ),
+        invalid(
+            "revision 2 and a wrong count: revision first",
+            frame(
+                FINAL_MANIFEST, struct.pack("<H", 2) + body[2:10] + struct.pack("<I", 5) + body[14:]
+            ),
+            "BAD_FINAL_REVISION",
+            "CheckOrder",
+        ),
+        header_error(
+            "len 22 (a one-fragment manifest) in a two-fragment session",
+            FINAL_MANIFEST,
+            22,
+            "BAD_FRAME_LENGTH",
+            "ExactSize",
+            body=final_manifest(8, [8])[0][13:],
+        ),
+        header_error(
+            "len 31: a trailing byte",
+            FINAL_MANIFEST,
+            31,
+            "BAD_FRAME_LENGTH",
+            "ExactSize",
+            body=body + b"\x00",
+        ),
+        header_error(
+            "len 2^63", FINAL_MANIFEST, 1 << 63, "BAD_FRAME_LENGTH", "ExactSize", "HugeLength"
+        ),
+    ]
+    three = [
+        valid("three fragments, final step 9", final_manifest(9, [7, 8, 9]), "Normal"),
+        header_error(
+            "a two-fragment manifest in a three-fragment session",
+            FINAL_MANIFEST,
+            30,
+            "BAD_FRAME_LENGTH",
+            "ExactSize",
+            body=body,
+        ),
+    ]
+    to_syncer = [
+        header_error(
+            "FINAL_MANIFEST sent to the syncer",
+            FINAL_MANIFEST,
+            30,
+            "WRONG_DIRECTION",
+            "Direction",
+            body=body,
+        ),
+    ]
+    return vector_file(
+        "FINAL_MANIFEST",
+        [
+            "FINAL_MANIFEST (type 11, syncer -> learner): revision:u16 (=1),",
+            "final_global_step:u64, num_fragments:u32, expected_version:u64 x F;",
+            "exactly 14 + 8F bytes.",
+        ],
+        [
+            frame_group(S_F32.context("learner"), two),
+            frame_group(S_THREE.context("learner"), three),
+            frame_group(S_F32.context("syncer", num_learners=4), to_syncer),
+        ],
+    )
+
+
+def final_ack_file() -> Json:
+    body = final_ack(8)[0][HEADER_SIZE:]
+    tests = [
+        valid("final step 8", final_ack(8), "Normal"),
+        valid("final step 0", final_ack(0), "Boundary"),
+        valid("final step 2^64-1", final_ack(U64_MAX), "Boundary"),
+        invalid("revision 0", final_ack(8, revision=0)[0], "BAD_FINAL_REVISION", "Version"),
+        invalid("revision 2", final_ack(8, revision=2)[0], "BAD_FINAL_REVISION", "Version"),
+        invalid(
+            "revision written big-endian (00 01 = 256)",
+            frame(FINAL_ACK, b"\x00\x01" + body[2:]),
+            "BAD_FINAL_REVISION",
+            "Version",
+        ),
+        header_error("len 9", FINAL_ACK, 9, "BAD_FRAME_LENGTH", "ExactSize", body=body[:9]),
+        header_error(
+            "len 11: a trailing byte",
+            FINAL_ACK,
+            11,
+            "BAD_FRAME_LENGTH",
+            "ExactSize",
+            body=body + b"\x00",
+        ),
+        header_error("len 2^63", FINAL_ACK, 1 << 63, "BAD_FRAME_LENGTH", "ExactSize", "HugeLength"),
+    ]
+    to_learner = [
+        header_error(
+            "FINAL_ACK sent to a learner", FINAL_ACK, 10, "WRONG_DIRECTION", "Direction", body=body
+        ),
+    ]
+    return vector_file(
+        "FINAL_ACK",
+        [
+            "FINAL_ACK (type 12, learner -> syncer): revision:u16 (=1),",
+            "final_global_step:u64; exactly 10 bytes.",
+        ],
+        [
+            frame_group(S_F32.context("syncer", num_learners=4), tests),
+            frame_group(S_F32.context("learner"), to_learner),
+        ],
+    )
+
+
+def budget_done_file() -> Json:
+    body = budget_done(100)[0][HEADER_SIZE:]
+    tests = [
+        valid("100 local steps", budget_done(100), "Normal"),
+        valid("1 local step", budget_done(1), "Boundary"),
+        valid("2^64-1 local steps", budget_done(U64_MAX), "Boundary"),
+        acceptable(
+            "0 steps: a budget is a positive target", budget_done(0), "BUDGET_MISMATCH", "Boundary"
+        ),
+        header_error("len 7", BUDGET_DONE, 7, "BAD_FRAME_LENGTH", "ExactSize", body=body[:7]),
+        header_error(
+            "len 9: a trailing byte is fatal",
+            BUDGET_DONE,
+            9,
+            "BAD_FRAME_LENGTH",
+            "ExactSize",
+            body=body + b"\x00",
+        ),
+        header_error("len 0", BUDGET_DONE, 0, "BAD_FRAME_LENGTH", "ExactSize"),
+        header_error(
+            "len 2^63", BUDGET_DONE, 1 << 63, "BAD_FRAME_LENGTH", "ExactSize", "HugeLength"
+        ),
+    ]
+    to_learner = [
+        header_error(
+            "BUDGET_DONE sent to a learner",
+            BUDGET_DONE,
+            8,
+            "WRONG_DIRECTION",
+            "Direction",
+            body=body,
+        ),
+    ]
+    return vector_file(
+        "BUDGET_DONE",
+        ["BUDGET_DONE (type 14, learner -> syncer): exact_local_steps:u64; exactly 8 bytes."],
+        [
+            frame_group(S_F32.context("syncer", num_learners=4), tests),
+            frame_group(S_F32.context("learner"), to_learner),
+        ],
+    )
+
+
+# -- CHUNK frames and reassembly -----------------------------------------------------------------
+
+
+def chunk_file() -> Json:
+    inner = push_fragment(S_BF16.push_delta(0, "chunk/inner"))[0]  # 73 bytes
+    syncer_tests = [
+        valid(
+            "the first 16 bytes of a 73-byte inner frame",
+            chunk(0, len(inner), 0, inner[:16]),
+            "Normal",
+        ),
+        valid("a middle slice", chunk(0, len(inner), 16, inner[16:32]), "Normal"),
+        valid("a whole inner frame in one CHUNK", chunk(1, len(inner), 0, inner), "Normal"),
+        valid(
+            "msg_id 2^64-1, a one-byte slice",
+            chunk(U64_MAX, len(inner), 72, inner[72:]),
+            "Boundary",
+        ),
+        acceptable(
+            "offset + len > total_len",
+            chunk(0, 20, 10, bytes(11)),
+            "CHUNK_OUT_OF_BOUNDS",
+        ),
+        acceptable(
+            "offset 2^64-1 plus one byte wraps to 0 in u64 arithmetic",
+            chunk(0, 20, U64_MAX, b"\x01"),
+            "CHUNK_OUT_OF_BOUNDS",
+            "IntegerOverflow",
+        ),
+        acceptable(
+            "total_len above the session's inner-frame limit (73)",
+            chunk(0, 74, 0, bytes(16)),
+            "CHUNK_TOTAL_TOO_LARGE",
+            "Limit",
+        ),
+        header_error(
+            "len 24: an empty chunk", CHUNK, 24, "CHUNK_EMPTY", body=struct.pack("<QQQ", 0, 73, 0)
+        ),
+        header_error(
+            "len 23: ends inside the envelope",
+            CHUNK,
+            23,
+            "TRUNCATED_PAYLOAD",
+            "Truncated",
+            body=bytes(23),
+        ),
+        header_error("len 0", CHUNK, 0, "TRUNCATED_PAYLOAD", "Truncated"),
+        header_error(
+            "len 24 + 4 MiB + 1",
+            CHUNK,
+            CHUNK_ENVELOPE + SLICE_SIZE + 1,
+            "FRAME_TOO_LARGE",
+            "Limit",
+            "Boundary",
+        ),
+        header_error("len 2^63", CHUNK, 1 << 63, "FRAME_TOO_LARGE", "HugeLength"),
+    ]
+    bcast = versioned_fragment(BCAST_FRAGMENT, 0, 1, S_BF16.bulk(0, "chunk/bcast"))[0]  # 37 bytes
+    learner_tests = [
+        valid(
+            "CHUNKs go both ways: the first slice of a BCAST",
+            chunk(0, len(bcast), 0, bcast[:16]),
+            "Normal",
+        ),
+        valid("the last slice of a BCAST", chunk(0, len(bcast), 32, bcast[32:]), "Normal"),
+        valid("a whole BCAST in one CHUNK", chunk(4, len(bcast), 0, bcast), "Normal"),
+        header_error(
+            "len 24: an empty chunk", CHUNK, 24, "CHUNK_EMPTY", body=struct.pack("<QQQ", 0, 37, 0)
+        ),
+        header_error(
+            "len 24 + 4 MiB + 1",
+            CHUNK,
+            CHUNK_ENVELOPE + SLICE_SIZE + 1,
+            "FRAME_TOO_LARGE",
+            "Limit",
+            "Boundary",
+        ),
+        header_error("len 2^62", CHUNK, 1 << 62, "FRAME_TOO_LARGE", "HugeLength"),
+    ]
+    return vector_file(
+        "CHUNK",
+        [
+            "CHUNK (type 9, either direction): msg_id:u64, total_len:u64, offset:u64, then",
+            "1 byte to 4 MiB of an inner frame. Frame-level checks only; reassembly is in",
+            "chunk_sequences.json.",
+        ],
+        [
+            frame_group(S_BF16.context("syncer", num_learners=4), syncer_tests),
+            frame_group(S_BF16.context("learner"), learner_tests),
+        ],
+    )
+
+
+def slices(inner: bytes, size: int) -> list[tuple[int, bytes]]:
+    return [(offset, inner[offset : offset + size]) for offset in range(0, len(inner), size)]
+
+
+def chunks_of(msg_id: int, inner: bytes, parts: Sequence[tuple[int, bytes]]) -> list[str]:
+    return [chunk(msg_id, len(inner), offset, data)[0].hex() for offset, data in parts]
+
+
+def sequence(
+    comment: str,
+    chunks: list[str],
+    *flags: str,
+    decoded: list[Json] | None = None,
+    code: str | None = None,
+    slice_size: int | None = None,
+    completed_before_error: list[Json] | None = None,
+) -> Json:
+    test: Json = {"comment": comment, "flags": list(flags), "chunks": chunks}
+    if code is None:
+        assert decoded is not None and completed_before_error is None
+        test["result"] = "valid"
+        test["decoded"] = decoded
+    else:
+        test["result"] = "invalid"
+        test["code"] = code
+        if completed_before_error is not None:
+            test["completed_before_error"] = completed_before_error
+    if slice_size is not None:
+        test["slice_size"] = slice_size
+    return test
+
+
+def chunk_sequences_file() -> Json:
+    push_inner, push_json = push_fragment(S_BF16.push_delta(0, "seq/push"))  # 73 bytes: the limit
+    init_inner, init_json = init_params(1, S_BF16.bulk(1, "seq/init"))  # 25 bytes
+    parts = slices(push_inner, 16)
+    order = [3, 0, 4, 2, 1]
+    interleaved = [
+        chunk(0, 73, 0, push_inner[:16])[0].hex(),
+        chunk(1, 25, 16, init_inner[16:])[0].hex(),
+        chunk(0, 73, 16, push_inner[16:40])[0].hex(),
+        chunk(1, 25, 0, init_inner[:16])[0].hex(),
+        chunk(0, 73, 40, push_inner[40:])[0].hex(),
+    ]
+    many_inits = [init_params(1, S_BF16.bulk(1, f"seq/many/{i}")) for i in range(MAX_PARTIALS)]
+    sixty_four = [chunk(i, 25, 0, many_inits[i][0][:10])[0].hex() for i in range(MAX_PARTIALS)]
+    sixty_four += [chunk(i, 25, 10, many_inits[i][0][10:])[0].hex() for i in range(MAX_PARTIALS)]
+    syncer_valid = [
+        sequence(
+            "a PUSH in order, 16-byte slices",
+            chunks_of(0, push_inner, parts),
+            "Normal",
+            decoded=[push_json],
+            slice_size=16,
+        ),
+        sequence(
+            "the same slices in reverse",
+            chunks_of(0, push_inner, parts[::-1]),
+            "OutOfOrder",
+            decoded=[push_json],
+        ),
+        sequence(
+            "the same slices shuffled",
+            chunks_of(0, push_inner, [parts[i] for i in order]),
+            "OutOfOrder",
+            decoded=[push_json],
+        ),
+        sequence(
+            "an INIT in a single CHUNK",
+            chunks_of(0, init_inner, [(0, init_inner)]),
+            "Normal",
+            decoded=[init_json],
+            slice_size=32,
+        ),
+        sequence(
+            "uneven slices: 1, 40 and 32 bytes",
+            chunks_of(
+                5, push_inner, [(0, push_inner[:1]), (41, push_inner[41:]), (1, push_inner[1:41])]
+            ),
+            "OutOfOrder",
+            decoded=[push_json],
+        ),
+        sequence(
+            "two messages interleaved; the INIT completes first",
+            interleaved,
+            "Interleaved",
+            "OutOfOrder",
+            decoded=[init_json, push_json],
+        ),
+        sequence(
+            "msg_id 2^64-1",
+            chunks_of(U64_MAX, init_inner, slices(init_inner, 16)),
+            "Boundary",
+            decoded=[init_json],
+        ),
+        sequence(
+            "64 partial messages open at once (the maximum), then all completed",
+            sixty_four,
+            "Boundary",
+            "Interleaved",
+            decoded=[m[1] for m in many_inits],
+        ),
+    ]
+    first_half = chunk(0, 73, 0, push_inner[:40])[0].hex()
+
+    def bad_inner(mutated: bytes, total: int | None = None) -> list[str]:
+        return [chunk(0, len(mutated) if total is None else total, 0, mutated)[0].hex()]
+
+    c_steps_zero = push_fragment(S_BF16.push_delta(0, "seq/push"), c_steps=0)[0]
+    heartbeat_inner = heartbeat(1, 2)[0]
+    syncer_invalid = [
+        sequence(
+            "an empty CHUNK after a good one",
+            [first_half, frame(CHUNK, struct.pack("<QQQ", 0, 73, 40)).hex()],
+            code="CHUNK_EMPTY",
+        ),
+        sequence(
+            "offset + len > total_len",
+            [chunk(0, 73, 60, bytes(14))[0].hex()],
+            code="CHUNK_OUT_OF_BOUNDS",
+        ),
+        sequence(
+            "offset 2^64-8 plus 16 bytes wraps in u64 arithmetic",
+            [chunk(0, 73, U64_MAX - 7, push_inner[:16])[0].hex()],
+            "IntegerOverflow",
+            code="CHUNK_OUT_OF_BOUNDS",
+        ),
+        sequence(
+            "total_len changes within a message",
+            [first_half, chunk(0, 72, 40, push_inner[40:72])[0].hex()],
+            code="CHUNK_TOTAL_CHANGED",
+        ),
+        sequence(
+            "total_len 74, one over the inner limit 13 + 60",
+            [chunk(0, 74, 0, push_inner[:16])[0].hex()],
+            "Limit",
+            "Boundary",
+            code="CHUNK_TOTAL_TOO_LARGE",
+        ),
+        sequence(
+            "total_len 2^64-1",
+            [chunk(0, U64_MAX, 0, push_inner[:16])[0].hex()],
+            "Limit",
+            "HugeLength",
+            code="CHUNK_TOTAL_TOO_LARGE",
+        ),
+        sequence("a duplicate CHUNK", [first_half, first_half], code="CHUNK_OVERLAP"),
+        sequence(
+            "a CHUNK overlapping the end of an earlier one",
+            [first_half, chunk(0, 73, 39, push_inner[39:])[0].hex()],
+            code="CHUNK_OVERLAP",
+        ),
+        sequence(
+            "a CHUNK overlapping the start of an earlier one",
+            [
+                chunk(0, 73, 40, push_inner[40:])[0].hex(),
+                chunk(0, 73, 30, push_inner[30:41])[0].hex(),
+            ],
+            "OutOfOrder",
+            code="CHUNK_OVERLAP",
+        ),
+        sequence(
+            "a CHUNK inside an earlier one",
+            [first_half, chunk(0, 73, 8, push_inner[8:9])[0].hex()],
+            code="CHUNK_OVERLAP",
+        ),
+        sequence(
+            "a 65th partial message",
+            sixty_four[:MAX_PARTIALS] + [chunk(MAX_PARTIALS, 25, 0, init_inner[:10])[0].hex()],
+            "Boundary",
+            code="TOO_MANY_PARTIALS",
+        ),
+        sequence("bad inner magic", bad_inner(b"\x00" + push_inner[1:]), code="BAD_INNER_FRAME"),
+        sequence(
+            "inner len 59 != total_len - 13 (60)",
+            bad_inner(push_inner[:5] + struct.pack("<Q", 59) + push_inner[13:]),
+            code="BAD_INNER_FRAME",
+        ),
+        sequence(
+            "total_len 12: shorter than a header",
+            bad_inner(push_inner[:12]),
+            code="BAD_INNER_FRAME",
+        ),
+        sequence(
+            "a HEARTBEAT is never striped", bad_inner(heartbeat_inner), code="BAD_INNER_FRAME"
+        ),
+        sequence(
+            "a CHUNK inside a CHUNK",
+            bad_inner(chunk(9, 25, 0, init_inner)[0]),
+            code="BAD_INNER_FRAME",
+        ),
+        sequence(
+            "an inner BCAST (syncer -> learner) at the syncer",
+            bad_inner(versioned_fragment(BCAST_FRAGMENT, 0, 1, S_BF16.bulk(0, "x"))[0]),
+            "Direction",
+            code="WRONG_DIRECTION",
+        ),
+        sequence(
+            "an inner INIT over the INIT limit (4 + 12) but within the inner limit",
+            bad_inner(init_params(0, bytes(14))[0]),
+            "Limit",
+            code="FRAME_TOO_LARGE",
+        ),
+        sequence(
+            "an inner INIT with a wrong tensor length",
+            bad_inner(init_params(1, bytes(6))[0]),
+            "SessionSize",
+            code="BAD_TENSOR_LENGTH",
+        ),
+        sequence(
+            "an inner INIT for fragment 2 = F",
+            bad_inner(init_params(2, bytes(8))[0]),
+            code="BAD_FRAGMENT_ID",
+        ),
+        sequence(
+            "an inner PUSH with c_steps 0",
+            [chunk(0, 73, 0, c_steps_zero)[0].hex()],
+            code="ZERO_C_STEPS",
+        ),
+        sequence(
+            "a CHUNK of a message that already completed (msg_ids are never reused)",
+            [chunk(0, 25, 0, init_inner)[0].hex(), chunk(0, 25, 0, init_inner[:10])[0].hex()],
+            code="CHUNK_OVERLAP",
+            completed_before_error=[init_json],
+        ),
+    ]
+    bcast_inner, bcast_json = versioned_fragment(
+        BCAST_FRAGMENT, 1, 2, S_BF16.bulk(1, "seq/bcast")
+    )  # 33
+    final_inner, final_json = versioned_fragment(
+        FINAL_FRAGMENT, 0, 2, S_BF16.final(0, "seq/final")
+    )  # 49
+    learner_tests = [
+        sequence(
+            "a BCAST in order",
+            chunks_of(0, bcast_inner, slices(bcast_inner, 16)),
+            "Normal",
+            decoded=[bcast_json],
+            slice_size=16,
+        ),
+        sequence(
+            "a FINAL_FRAGMENT (at the inner limit 13 + 36) in reverse",
+            chunks_of(3, final_inner, slices(final_inner, 16)[::-1]),
+            "OutOfOrder",
+            "Boundary",
+            decoded=[final_json],
+        ),
+        sequence(
+            "total_len 50, one over the learner's inner limit",
+            [chunk(0, 50, 0, final_inner[:16])[0].hex()],
+            "Limit",
+            "Boundary",
+            code="CHUNK_TOTAL_TOO_LARGE",
+        ),
+        sequence(
+            "an inner INIT (learner -> syncer) at a learner",
+            bad_inner(init_params(1, S_BF16.bulk(1, "x"))[0]),
+            "Direction",
+            code="WRONG_DIRECTION",
+        ),
+        sequence(
+            "an inner FINAL_FRAGMENT with bf16 bytes",
+            bad_inner(versioned_fragment(FINAL_FRAGMENT, 1, 2, S_BF16.bulk(1, "x"))[0]),
+            "SessionSize",
+            code="BAD_TENSOR_LENGTH",
+        ),
+    ]
+    return vector_file(
+        "chunk_sequences",
+        [
+            "CHUNK reassembly: each test is a list of CHUNK frames received by one connection",
+            "group, and either the inner messages they complete (in completion order) or the",
+            "error that the last CHUNK of the list must raise (every earlier CHUNK is accepted).",
+        ],
+        [
+            {
+                "type": "ChunkSequenceTest",
+                "context": S_BF16.context("syncer", num_learners=4),
+                "tests": syncer_valid + syncer_invalid,
+            },
+            {
+                "type": "ChunkSequenceTest",
+                "context": S_BF16.context("learner"),
+                "tests": learner_tests,
+            },
+        ],
+    )
+
+
+# -- header-level rules across all types ---------------------------------------------------------
+
+
+def header_file() -> Json:
+    push_body = push_fragment(S_BF16.push_delta(0, "hdr"))[0][HEADER_SIZE:]
+    fresh = (
+        [
+            invalid(
+                "magic 0",
+                frame(HELLO, BASE_HELLO.payload(), magic=0),
+                "BAD_MAGIC",
+                fail_after=HEADER_SIZE,
+            ),
+            invalid(
+                "magic byte-swapped (big-endian on the wire)",
+                frame(HELLO, BASE_HELLO.payload(), magic=0xDEC070D1),
+                "BAD_MAGIC",
+                fail_after=HEADER_SIZE,
+            ),
+            invalid(
+                "magic 0xD170C0DF",
+                frame(HELLO, BASE_HELLO.payload(), magic=0xD170C0DF),
+                "BAD_MAGIC",
+                fail_after=HEADER_SIZE,
+            ),
+            invalid(
+                "an HTTP request",
+                b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                "BAD_MAGIC",
+                fail_after=HEADER_SIZE,
+            ),
+            invalid(
+                "bad magic and an unknown type: magic first",
+                HEADER.pack(0x12345678, 99, 1 << 63),
+                "BAD_MAGIC",
+                "CheckOrder",
+                fail_after=HEADER_SIZE,
+            ),
+        ]
+        + [
+            header_error(
+                f"{TYPE_NAMES[t]} as the first frame",
+                t,
+                length,
+                "INVALID_FIRST_FRAME",
+                "FirstFrame",
+            )
+            for t, length in (
+                (INIT_PARAMS, 16),
+                (PUSH_FRAGMENT, 60),
+                (HEARTBEAT, 12),
+                (CHUNK, 40),
+                (FINAL_ACK, 10),
+                (BUDGET_DONE, 8),
+                (PULL_REQ, 16),
+                (ERROR, 4),
+            )
+        ]
+        + [
+            header_error(
+                f"unknown type {t} as the first frame", t, 16, "INVALID_FIRST_FRAME", "FirstFrame"
+            )
+            for t in (0, 15, 255)
+        ]
+        + [
+            header_error(
+                "HELLO of 16 MiB + 1",
+                HELLO,
+                FIRST_FRAME_LIMIT + 1,
+                "FRAME_TOO_LARGE",
+                "FirstFrame",
+                "Boundary",
+            ),
+            header_error(
+                "HELLO of 2^62 bytes", HELLO, 1 << 62, "FRAME_TOO_LARGE", "FirstFrame", "HugeLength"
+            ),
+            header_error(
+                "HELLO of 2^63 bytes", HELLO, 1 << 63, "FRAME_TOO_LARGE", "FirstFrame", "HugeLength"
+            ),
+            header_error(
+                "DATA_HELLO of 2^63 bytes",
+                DATA_HELLO,
+                1 << 63,
+                "BAD_FRAME_LENGTH",
+                "FirstFrame",
+                "HugeLength",
+            ),
+            header_error(
+                "first frame INIT declaring 2^63 bytes: the first-frame rule decides",
+                INIT_PARAMS,
+                1 << 63,
+                "INVALID_FIRST_FRAME",
+                "FirstFrame",
+                "CheckOrder",
+            ),
+            valid("a proper first frame", BASE_HELLO.built(), "Normal"),
+        ]
+    )
+    at_syncer = (
+        [
+            valid("HEARTBEAT", heartbeat(1, 9), "Normal"),
+            valid("a CHUNK", chunk(0, 73, 0, push_body[:8]), "Normal"),
+            valid("BUDGET_DONE", budget_done(64), "Normal"),
+            invalid(
+                "bad magic",
+                frame(HEARTBEAT, heartbeat(1, 9)[0][13:], magic=0),
+                "BAD_MAGIC",
+                fail_after=HEADER_SIZE,
+            ),
+        ]
+        + [
+            header_error(f"unknown type {t}", t, 12, "UNKNOWN_FRAME_TYPE")
+            for t in (0, 15, 128, 255)
+        ]
+        + [
+            header_error(
+                f"{TYPE_NAMES[t]} comes from the syncer", t, length, "WRONG_DIRECTION", "Direction"
+            )
+            for t, length in (
+                (PULL_REQ, 16),
+                (BCAST_FRAGMENT, 24),
+                (SHUTDOWN, 0),
+                (ERROR, 4),
+                (FINAL_MANIFEST, 30),
+                (FINAL_FRAGMENT, 36),
+            )
+        ]
+        + [
+            header_error("HELLO after the first frame", HELLO, 100, "UNEXPECTED_HELLO"),
+            header_error("DATA_HELLO after the first frame", DATA_HELLO, 16, "UNEXPECTED_HELLO"),
+            header_error("HEARTBEAT of 11 bytes", HEARTBEAT, 11, "BAD_FRAME_LENGTH", "ExactSize"),
+            header_error("FINAL_ACK of 9 bytes", FINAL_ACK, 9, "BAD_FRAME_LENGTH", "ExactSize"),
+            header_error("BUDGET_DONE of 9 bytes", BUDGET_DONE, 9, "BAD_FRAME_LENGTH", "ExactSize"),
+            header_error(
+                "INIT_PARAMS of 2^63 bytes", INIT_PARAMS, 1 << 63, "FRAME_TOO_LARGE", "HugeLength"
+            ),
+            header_error(
+                "PUSH_FRAGMENT of 2^62 bytes",
+                PUSH_FRAGMENT,
+                1 << 62,
+                "FRAME_TOO_LARGE",
+                "HugeLength",
+            ),
+            header_error("CHUNK of 2^63 bytes", CHUNK, 1 << 63, "FRAME_TOO_LARGE", "HugeLength"),
+            header_error(
+                "HEARTBEAT of 2^63 bytes",
+                HEARTBEAT,
+                1 << 63,
+                "BAD_FRAME_LENGTH",
+                "ExactSize",
+                "HugeLength",
+            ),
+            header_error(
+                "INIT_PARAMS one byte over its limit (4 + 12 + 1)",
+                INIT_PARAMS,
+                17,
+                "FRAME_TOO_LARGE",
+                "Limit",
+                "Boundary",
+            ),
+            header_error(
+                "PUSH_FRAGMENT one byte over its limit (48 + 12 + 1)",
+                PUSH_FRAGMENT,
+                61,
+                "FRAME_TOO_LARGE",
+                "Limit",
+                "Boundary",
+            ),
+            header_error(
+                "unknown type with a 2^63 length: type first",
+                200,
+                1 << 63,
+                "UNKNOWN_FRAME_TYPE",
+                "CheckOrder",
+            ),
+            header_error(
+                "wrong direction with a 2^63 length: direction first",
+                BCAST_FRAGMENT,
+                1 << 63,
+                "WRONG_DIRECTION",
+                "CheckOrder",
+                "Direction",
+            ),
+            header_error(
+                "wrong direction with a wrong exact size: direction first",
+                PULL_REQ,
+                3,
+                "WRONG_DIRECTION",
+                "CheckOrder",
+                "Direction",
+            ),
+        ]
+    )
+    at_learner = (
+        [
+            valid("PULL_REQ", pull_req(0, 1, 1), "Normal"),
+            valid("SHUTDOWN", shutdown(), "Normal"),
+            valid("a CHUNK", chunk(2, 37, 0, bytes(37)), "Normal"),
+            invalid(
+                "bad magic",
+                frame(SHUTDOWN, b"", magic=0xC0DED170),
+                "BAD_MAGIC",
+                fail_after=HEADER_SIZE,
+            ),
+        ]
+        + [header_error(f"unknown type {t}", t, 16, "UNKNOWN_FRAME_TYPE") for t in (0, 15, 255)]
+        + [
+            header_error(
+                f"{TYPE_NAMES[t]} comes from a learner", t, length, "WRONG_DIRECTION", "Direction"
+            )
+            for t, length in (
+                (HELLO, 100),
+                (INIT_PARAMS, 16),
+                (PUSH_FRAGMENT, 60),
+                (HEARTBEAT, 12),
+                (DATA_HELLO, 16),
+                (FINAL_ACK, 10),
+                (BUDGET_DONE, 8),
+            )
+        ]
+        + [
+            header_error("PULL_REQ of 15 bytes", PULL_REQ, 15, "BAD_FRAME_LENGTH", "ExactSize"),
+            header_error("PULL_REQ of 17 bytes", PULL_REQ, 17, "BAD_FRAME_LENGTH", "ExactSize"),
+            header_error("SHUTDOWN of 1 byte", SHUTDOWN, 1, "BAD_FRAME_LENGTH", "ExactSize"),
+            header_error(
+                "FINAL_MANIFEST of 22 bytes in a 2-fragment session",
+                FINAL_MANIFEST,
+                22,
+                "BAD_FRAME_LENGTH",
+                "ExactSize",
+            ),
+            header_error(
+                "BCAST_FRAGMENT of 2^63 bytes",
+                BCAST_FRAGMENT,
+                1 << 63,
+                "FRAME_TOO_LARGE",
+                "HugeLength",
+            ),
+            header_error(
+                "FINAL_FRAGMENT of 2^63 bytes",
+                FINAL_FRAGMENT,
+                1 << 63,
+                "FRAME_TOO_LARGE",
+                "HugeLength",
+            ),
+            header_error("ERROR of 2^62 bytes", ERROR, 1 << 62, "FRAME_TOO_LARGE", "HugeLength"),
+            header_error("CHUNK of 2^63 bytes", CHUNK, 1 << 63, "FRAME_TOO_LARGE", "HugeLength"),
+            header_error(
+                "BCAST_FRAGMENT one byte over its limit (12 + 12 + 1)",
+                BCAST_FRAGMENT,
+                25,
+                "FRAME_TOO_LARGE",
+                "Limit",
+                "Boundary",
+            ),
+            header_error(
+                "FINAL_FRAGMENT one byte over its limit (12 + 24 + 1)",
+                FINAL_FRAGMENT,
+                37,
+                "FRAME_TOO_LARGE",
+                "Limit",
+                "Boundary",
+            ),
+        ]
+    )
+    return vector_file(
+        "header",
+        [
+            "Header rules for every type: magic:u32 = 0xD170C0DE | type:u8 | len:u64,",
+            "little-endian.",
+            "Magic, the first-frame rule, the type, its direction and its limit are all checked",
+            "from the 13 header bytes, before any payload byte is read or allocated.",
+        ],
+        [
+            frame_group(fresh_syncer(), fresh),
+            frame_group(S_BF16.context("syncer", num_learners=4), at_syncer),
+            frame_group(S_BF16.context("learner"), at_learner),
+        ],
+    )
+
+
+# -- dtype codecs --------------------------------------------------------------------------------
+
+
+def f32_hex_of_bits(*bits: int) -> str:
+    return struct.pack(f"<{len(bits)}I", *bits).hex()
+
+
+def bf16_test(
+    comment: str, op: str, f32_bits: Sequence[int], *flags: str, result: str = "valid"
+) -> Json:
+    values = np.array(f32_bits, dtype=np.uint32).view(np.float32)
+    return {
+        "comment": comment,
+        "flags": list(flags),
+        "op": op,
+        "f32": f32_hex_of_bits(*f32_bits),
+        "bf16": bf16_from_f32(values).tobytes().hex(),
+        "result": result,
+    }
+
+
+def bf16_decode_test(comment: str, halves: Sequence[int], *flags: str) -> Json:
+    bf16 = struct.pack(f"<{len(halves)}H", *halves)
+    return {
+        "comment": comment,
+        "flags": list(flags),
+        "op": "decode",
+        "bf16": bf16.hex(),
+        "f32": f32_from_bf16(np.array(halves, dtype=np.uint16)).tobytes().hex(),
+        "result": "valid",
+    }
+
+
+def q4_encode_test(comment: str, values: Sequence[float] | F32Array, *flags: str) -> Json:
+    array = np.asarray(values, dtype=np.float32)
+    return {
+        "comment": comment,
+        "flags": list(flags),
+        "op": "encode",
+        "numel": len(array),
+        "f32": array.astype("<f4").tobytes().hex(),
+        "q4": q4_encode(array).hex(),
+        "result": "valid",
+    }
+
+
+def q4_block(scale: bytes, nibbles: Sequence[int]) -> bytes:
+    """One 132-byte block from a raw scale and up to 256 nibbles (element 2i in the low nibble)."""
+    padded = list(nibbles) + [0] * (Q4_BLOCK_VALUES - len(nibbles))
+    return scale + bytes(lo | (hi << 4) for lo, hi in zip(padded[0::2], padded[1::2], strict=True))
+
+
+def q4_decode_test(
+    comment: str, data: bytes, numel: int, *flags: str, code: str | None = None
+) -> Json:
+    test: Json = {
+        "comment": comment,
+        "flags": list(flags),
+        "op": "decode",
+        "numel": numel,
+        "q4": data.hex(),
+    }
+    if code is None:
+        test["f32"] = q4_decode(data, numel).astype("<f4").tobytes().hex()
+        test["result"] = "valid"
+    else:
+        test["result"] = "invalid"
+        test["code"] = code
+    return test
+
+
+def q4_level(ratio_bits: int) -> int:
+    """The level the reference encoder gives a ratio |x|/scale (as f32 bits) in (0, 1]."""
+    ratio = np.array([ratio_bits], dtype=np.uint32).view(np.float32)
+    return int(q4_encode(np.concatenate([np.array([1.0], dtype=np.float32), ratio]))[4] >> 4)
+
+
+def q4_level_threshold(level: int) -> int:
+    """The smallest f32 ratio (as bits) whose level is at least ``level``: a binary search."""
+    low, high = 1, 0x3F800000  # level(low) < level <= level(high = 1.0) = 7
+    while high - low > 1:
+        middle = (low + high) // 2
+        if q4_level(middle) >= level:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def codecs_file() -> Json:
+    bf16 = [
+        bf16_test(
+            "exact values: 1, -2, 0.5, 0, -0",
+            "encode",
+            [0x3F800000, 0xC0000000, 0x3F000000, 0, 0x80000000],
+            "Normal",
+        ),
+        bf16_test(
+            "pi and e are rounded to nearest", "encode", [0x40490FDB, 0x402DF854], "Rounding"
+        ),
+        bf16_test(
+            "ties go to even: 0x3f808000 -> 0x3f80, 0x3f818000 -> 0x3f82, -0x3f808000 -> 0xbf80",
+            "encode",
+            [0x3F808000, 0x3F818000, 0xBF808000],
+            "Tie",
+        ),
+        bf16_test(
+            "just below and just above a tie", "encode", [0x3F807FFF, 0x3F808001], "Rounding"
+        ),
+        bf16_test(
+            "rounding carries into the exponent: 0x3fffffff -> 0x4000 (2.0)",
+            "encode",
+            [0x3FFFFFFF, 0x3FFF8000],
+            "Rounding",
+            "Tie",
+        ),
+        bf16_test(
+            "overflow rounds to infinity: f32 max -> +inf, and a tie at the top with an odd lsb",
+            "encode",
+            [0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0xFF7FFFFF],
+            "Rounding",
+            "Boundary",
+        ),
+        bf16_test("infinities stay infinite", "encode", [0x7F800000, 0xFF800000], "Boundary"),
+        bf16_test(
+            "subnormals: ties to even at the bottom of the range",
+            "encode",
+            [0x00000001, 0x00008000, 0x00018000, 0x80008001, 0x007FFFFF],
+            "Tie",
+            "Boundary",
+        ),
+        bf16_test("the canonical quiet NaN stays 0x7fc0", "encode", [0x7FC00000], "NaN"),
+        bf16_test(
+            "a signalling NaN with only low payload bits becomes a quiet NaN, not infinity",
+            "encode",
+            [0x7F800001],
+            "NaN",
+        ),
+        bf16_test(
+            "negative NaN and NaNs with payload: yeto keeps the sign and the top of the payload"
+            " and sets the quiet bit",
+            "encode",
+            [0xFFC00000, 0x7FA12345, 0xFF800001],
+            "NaN",
+            result="acceptable",
+        ),
+        bf16_decode_test(
+            "decode is bits << 16: 1, -2, 0.5, 0, -0",
+            [0x3F80, 0xC000, 0x3F00, 0x0000, 0x8000],
+            "Normal",
+        ),
+        bf16_decode_test(
+            "infinities, NaN and the smallest subnormal",
+            [0x7F80, 0xFF80, 0x7FC0, 0x0001],
+            "Boundary",
+            "NaN",
+        ),
+        bf16_decode_test("an empty tensor", [], "Boundary"),
+        {
+            "comment": "an odd number of bytes is not bf16",
+            "flags": ["SessionSize"],
+            "op": "decode",
+            "bf16": "803f00",
+            "result": "invalid",
+            "code": "BAD_TENSOR_LENGTH",
+        },
+    ]
+    thresholds = [q4_level_threshold(level) for level in range(1, 8)]
+    at_threshold = [1.0] + [float(np.uint32(t).view(np.float32)) for t in thresholds]
+    below = [1.0] + [float(np.uint32(t - 1).view(np.float32)) for t in thresholds]
+    q4_values_300 = sample_values("codec/q4/300", 300)
+    q4_values_256 = sample_values("codec/q4/256", 256)
+    golden = q4_encode(np.array([1.0, -0.5, 0.25, 0.0], dtype=np.float32))
+    assert golden[:6] == bytes.fromhex("0000803fe705") and golden[6:] == bytes(126)
+    q4 = [
+        q4_encode_test(
+            "golden: [1, -0.5, 0.25, 0] -> scale 1.0, bytes e7 05, then zero padding",
+            [1.0, -0.5, 0.25, 0.0],
+            "Normal",
+            "Padding",
+        ),
+        q4_encode_test(
+            "the scale is the absmax even when that value is negative",
+            [-4.0, 2.0, 1.0, 0.5],
+            "Normal",
+            "Padding",
+        ),
+        q4_encode_test(
+            "an all-zero block (with -0.0) has scale 0 and zero nibbles",
+            [0.0, -0.0, 0.0],
+            "Boundary",
+            "Padding",
+        ),
+        q4_encode_test(
+            "tiny values clamp to level 0 without a sign bit: 2^-8 and 2^-7 -> 0, -2^-6 -> 0x9",
+            [1.0, -0.00390625, 0.0078125, -0.015625],
+            "Boundary",
+            "Padding",
+        ),
+        q4_encode_test(
+            "rounding happens in log2 space: 0.70 -> level 6 (0.5), 0.71 -> level 7 (1.0)",
+            [1.0, 0.70, 0.71, 0.36],
+            "Rounding",
+            "Padding",
+        ),
+        q4_encode_test(
+            "each level threshold exactly (log2 lands on k + 0.5 for some; half to even)",
+            at_threshold,
+            "Tie",
+            "Rounding",
+            "Padding",
+        ),
+        q4_encode_test(
+            "one f32 ulp below each level threshold", below, "Tie", "Rounding", "Padding"
+        ),
+        q4_encode_test(
+            "a subnormal scale: the absmax is 2^-149, the smallest subnormal",
+            [1.4e-45, 0.0, -1.4e-45],
+            "Boundary",
+            "Padding",
+        ),
+        q4_encode_test(
+            "magnitudes near f32 max", [3.0e38, -3.0e38, 1.0e38, 1.0], "Boundary", "Padding"
+        ),
+        q4_encode_test("exactly one block (256 values, no padding)", q4_values_256, "Normal"),
+        q4_encode_test(
+            "300 values: two blocks, the second padded", q4_values_300, "Normal", "Padding"
+        ),
+        q4_encode_test("a single value", [-0.125], "Boundary", "Padding"),
+        {
+            "comment": "a NaN cannot be encoded: its block would need a NaN scale",
+            "flags": ["NaN"],
+            "op": "encode",
+            "numel": 3,
+            "f32": f32_hex_of_bits(0x3F800000, 0x7FC00000, 0),
+            "result": "invalid",
+            "code": "NON_FINITE_VALUE",
+        },
+        {
+            "comment": "an infinity cannot be encoded: its block would need an infinite scale",
+            "flags": ["Boundary"],
+            "op": "encode",
+            "numel": 2,
+            "f32": f32_hex_of_bits(0xFF800000, 0x3F800000),
+            "result": "invalid",
+            "code": "NON_FINITE_VALUE",
+        },
+    ]
+    nibbles = [0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15]
+    two_blocks = q4_block(f32_bytes([0.5]), [7, 15, 1]) + q4_block(f32_bytes([3.0]), [6, 14])
+    q4 += [
+        q4_decode_test("golden block -> [1, -0.5, 0.25, 0]", golden, 4, "Normal", "Padding"),
+        q4_decode_test(
+            "scale 2.0: levels 0..7, then sign with levels 1..7",
+            q4_block(f32_bytes([2.0]), nibbles),
+            len(nibbles),
+            "Normal",
+            "Padding",
+        ),
+        q4_decode_test("257 values over two blocks", two_blocks, 257, "Normal", "Padding"),
+        q4_decode_test("an all-zero block", bytes(Q4_BLOCK_BYTES), 5, "Boundary", "Padding"),
+        q4_decode_test(
+            "300 encoded values decode", q4_encode(q4_values_300), 300, "Normal", "Padding"
+        ),
+        q4_decode_test(
+            "scale NaN", q4_block(bytes.fromhex("0000c07f"), [7]), 1, "NaN", code="BAD_Q4_SCALE"
+        ),
+        q4_decode_test(
+            "scale +inf", q4_block(bytes.fromhex("0000807f"), [7]), 1, code="BAD_Q4_SCALE"
+        ),
+        q4_decode_test(
+            "scale -inf", q4_block(bytes.fromhex("000080ff"), [7]), 1, code="BAD_Q4_SCALE"
+        ),
+        q4_decode_test(
+            "scale -1.0", q4_block(bytes.fromhex("000080bf"), [7]), 1, code="BAD_Q4_SCALE"
+        ),
+        q4_decode_test(
+            "scale: the negative smallest subnormal",
+            q4_block(bytes.fromhex("01000080"), [7]),
+            1,
+            "Boundary",
+            code="BAD_Q4_SCALE",
+        ),
+        q4_decode_test(
+            "the second block's scale is NaN",
+            q4_block(f32_bytes([1.0]), [7]) + q4_block(bytes.fromhex("ffffffff"), [7]),
+            257,
+            "NaN",
+            code="BAD_Q4_SCALE",
+        ),
+        q4_decode_test(
+            "131 bytes for 4 values", golden[:-1], 4, "SessionSize", code="BAD_TENSOR_LENGTH"
+        ),
+        q4_decode_test(
+            "two blocks for 256 values",
+            golden + golden,
+            256,
+            "SessionSize",
+            code="BAD_TENSOR_LENGTH",
+        ),
+        q4_decode_test(
+            "one block for 257 values", golden, 257, "SessionSize", code="BAD_TENSOR_LENGTH"
+        ),
+    ]
+    return vector_file(
+        "codecs",
+        [
+            "Tensor codecs. bf16: round to nearest even from f32 (a NaN stays a quiet NaN);",
+            "decode is bits << 16. q4: blocks of 256 values, each scale:f32 (absmax) then 128",
+            "bytes of nibbles (element 2i low);",
+            "L = clamp(round_half_even(log2(|x|/scale)) + 7, 0, 7), computed in f32.",
+            "Tensors are little-endian hex. For acceptable bf16 tests any quiet NaN is allowed.",
+        ],
+        [
+            {"type": "Bf16CodecTest", "tests": bf16},
+            {"type": "Q4CodecTest", "tests": q4},
+        ],
+    )
+
+
+# -- identity ------------------------------------------------------------------------------------
+
+NAMED_LAYOUTS: list[tuple[str, NamedLayout, tuple[str, ...]]] = [
+    ("the f32 conformance session", S_F32.layout, ("Normal",)),
+    ("the bf16 conformance session (with iso)", S_BF16.layout, ("Iso",)),
+    ("the q4 conformance session", S_Q4.layout, ("Normal",)),
+    ("the three-fragment conformance session", S_THREE.layout, ("Iso",)),
+    (
+        "a scalar tensor (shape [], numel 1) and a 4-D convolution kernel under iso",
+        layout((AVG, [("temperature", ())]), (ISO, [("conv.weight", (8, 3, 3, 3))])),
+        ("Iso", "Boundary"),
+    ),
+    (
+        "non-ASCII tensor names are hashed as UTF-8",
+        layout((RDA, [("blöck.wëight", (2, 3)), ("层.偏置", (3,))])),
+        ("Unicode",),
+    ),
+    (
+        "two tensors of one fragment in one order ...",
+        layout((AVG, [("a.weight", (2, 3)), ("b.weight", (3, 2))])),
+        ("Normal",),
+    ),
+    (
+        "... and the same sizes reordered: equal numels, a different fingerprint",
+        layout((AVG, [("b.weight", (3, 2)), ("a.weight", (2, 3))])),
+        ("Normal",),
+    ),
+    (
+        "a shape change that keeps the numel (2x3 -> 3x2) changes the fingerprint",
+        layout((AVG, [("a.weight", (3, 2)), ("b.weight", (3, 2))])),
+        ("Normal",),
+    ),
+]
+
+
+def identity_file() -> Json:
+    fingerprints = [
+        {
+            "comment": comment,
+            "flags": list(flags),
+            "layout": named.file_json(),
+            "canonical_hex": named.canonical().hex(),
+            "fingerprint": named.fingerprint().hex(),
+            "result": "valid",
+        }
+        for comment, named, flags in NAMED_LAYOUTS
+    ]
+    profile_comments = [
+        "defaults for two learners and 100 steps",
+        "four learners, quorum 3, profile binding required",
+        "every field away from its default",
+        "optional fields present with value 0 (a tag of 1, then 0)",
+        "maxima of the integer fields",
+    ]
+    profiles = [
+        {
+            "comment": comment,
+            "flags": ["Boundary"] if "maxima" in comment or "value 0" in comment else ["Normal"],
+            "profile": p.as_json(),
+            "canonical_hex": p.canonical().hex(),
+            "digest": p.digest().hex(),
+            "result": "valid",
+        }
+        for comment, p in zip(profile_comments, PROFILES, strict=True)
+    ]
+    body = S_F32.hello.payload()
+
+    def mac_test(
+        comment: str, key: bytes, body: bytes, mac: bytes, *flags: str, ok: bool = True
+    ) -> Json:
+        test: Json = {
+            "comment": comment,
+            "flags": ["HelloMac", *flags],
+            "key": key.hex(),
+            "body": body.hex(),
+            "mac": mac.hex(),
+            "result": "valid" if ok else "invalid",
+        }
+        if not ok:
+            test["code"] = "HELLO_AUTH_FAILED"
+        return test
+
+    long_key = bytes(range(100))
+    macs = [
+        mac_test(
+            "the f32 session HELLO body, a 32-byte key",
+            HELLO_KEY,
+            body,
+            hello_mac(HELLO_KEY, body),
+            "Normal",
+        ),
+        mac_test("a one-byte key", b"k", body, hello_mac(b"k", body), "Boundary"),
+        mac_test(
+            "a 100-byte key (longer than the SHA-256 block: hashed first)",
+            long_key,
+            body,
+            hello_mac(long_key, body),
+            "Boundary",
+        ),
+        mac_test(
+            "the bf16 session HELLO body with a profile hash",
+            HELLO_KEY,
+            replace(S_BF16.hello, profile=PROFILES[1].digest()).payload(),
+            hello_mac(HELLO_KEY, replace(S_BF16.hello, profile=PROFILES[1].digest()).payload()),
+            "ProfileHash",
+        ),
+        mac_test(
+            "MAC without the domain string",
+            HELLO_KEY,
+            body,
+            hmac.new(HELLO_KEY, body, hashlib.sha256).digest(),
+            ok=False,
+        ),
+        mac_test("MAC under another key", HELLO_KEY, body, hello_mac(OTHER_KEY, body), ok=False),
+        mac_test(
+            "last byte of the MAC flipped",
+            HELLO_KEY,
+            body,
+            hello_mac(HELLO_KEY, body)[:-1] + bytes([hello_mac(HELLO_KEY, body)[-1] ^ 0x80]),
+            ok=False,
+        ),
+        mac_test(
+            "plain SHA-256 of domain and body instead of HMAC",
+            HELLO_KEY,
+            body,
+            hashlib.sha256(HELLO_MAC_DOMAIN + body).digest(),
+            ok=False,
+        ),
+    ]
+    return vector_file(
+        "identity",
+        [
+            "Session identity: layout fingerprints of named layouts, syncer profile hashes of",
+            "configurations, and HELLO MACs. canonical_hex is the exact SHA-256 preimage.",
+        ],
+        [
+            {"type": "LayoutFingerprintTest", "tests": fingerprints},
+            {"type": "ProfileHashTest", "tests": profiles},
+            {"type": "HelloMacTest", "tests": macs},
+        ],
+    )
+
+
+# -- output --------------------------------------------------------------------------------------
+
+FILES: dict[str, Callable[[], Json]] = {
+    "hello.json": hello_file,
+    "hello_variants.json": hello_variants_file,
+    "data_hello.json": data_hello_file,
+    "init_params.json": init_params_file,
+    "pull_req.json": pull_req_file,
+    "push_fragment.json": push_fragment_file,
+    "bcast_fragment.json": bcast_fragment_file,
+    "heartbeat.json": heartbeat_file,
+    "shutdown.json": shutdown_file,
+    "chunk.json": chunk_file,
+    "error.json": error_file,
+    "final_manifest.json": final_manifest_file,
+    "final_ack.json": final_ack_file,
+    "final_fragment.json": final_fragment_file,
+    "budget_done.json": budget_done_file,
+    "header.json": header_file,
+    "chunk_sequences.json": chunk_sequences_file,
+    "codecs.json": codecs_file,
+    "identity.json": identity_file,
+}
+
+
+def render(doc: Json) -> str:
+    return json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def write_all(out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, build in FILES.items():
+        path = out_dir / name
+        path.write_text(render(build()), encoding="utf-8")
+        written.append(path)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent / "vectors",
+        help="directory to write the vector files into (default: conformance/vectors)",
+    )
+    args = parser.parse_args(argv)
+    total = 0
+    for path in write_all(args.out):
+        count = json.loads(path.read_text(encoding="utf-8"))["numberOfTests"]
+        total += count
+        print(f"{path.name:24} {count:4} tests")
+    print(f"{'total':24} {total:4} tests")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,725 @@
+"""The reference runner of the YETO v4 conformance vectors (``conformance/vectors/*.json``).
+
+This is the file a third party ports to their language; ``spec/conformance.md`` describes the
+same steps in prose. For every frame vector the decoder named by the group's ``context`` is fed
+the frame three ways — whole, one byte at a time, and followed by the start of another frame —
+and must produce exactly the ``decoded`` message (valid) or raise exactly the named ``code``
+(invalid); ``acceptable`` allows either of the two. Valid frames must also re-encode to the same
+bytes, and a valid frame cut short must read as "need more data" until the stream ends.
+
+Run with ``pytest conformance/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import numpy as np
+import pytest
+
+from yeto_proto import (
+    CLOSED,
+    NEED_DATA,
+    PROTOCOL_VERSION,
+    AnyMessage,
+    BcastFragment,
+    BudgetDone,
+    Chunk,
+    ChunkSlicer,
+    DataHello,
+    DecoderState,
+    DeltaCorrection,
+    ErrorCode,
+    ErrorMessage,
+    FinalAck,
+    FinalFragment,
+    FinalManifest,
+    FrameDecoder,
+    Heartbeat,
+    Hello,
+    InitParams,
+    Layout,
+    LearnerWeight,
+    Limits,
+    MergeMode,
+    ProtocolError,
+    PullReq,
+    PushFragment,
+    Reassembler,
+    RemoteProtocolError,
+    Role,
+    Shutdown,
+    SyncerProfile,
+    WireDtype,
+    WireFragment,
+    WireLayout,
+    encode,
+    encode_bytes,
+    hello_mac,
+    verify_hello,
+)
+from yeto_proto.constants import FINALIZATION_REVISION
+from yeto_proto.dtypes import bf16_to_f32, f32_to_bf16, q4_decode, q4_encode
+
+Json = dict[str, Any]
+
+HERE = Path(__file__).resolve().parent
+VECTOR_DIR = HERE / "vectors"
+SCHEMA_PATH = HERE / "vectors.schema.json"
+GENERATOR = HERE / "generate_vectors.py"
+
+#: One file per frame type; each must hold at least 3 valid and 5 invalid vectors.
+FRAME_TYPE_FILES = (
+    "hello.json",
+    "data_hello.json",
+    "init_params.json",
+    "pull_req.json",
+    "push_fragment.json",
+    "bcast_fragment.json",
+    "heartbeat.json",
+    "shutdown.json",
+    "chunk.json",
+    "error.json",
+    "final_manifest.json",
+    "final_ack.json",
+    "final_fragment.json",
+    "budget_done.json",
+)
+
+#: A frame each receiver accepts in any session, appended to vectors as "trailing data":
+#: to a syncer HEARTBEAT(learner_id=0, local_step=1), to a learner SHUTDOWN.
+NEXT_FRAME = {
+    Role.SYNCER: bytes.fromhex("dec070d1060c00000000000000000000000100000000000000"),
+    Role.LEARNER: bytes.fromhex("dec070d1070000000000000000"),
+}
+NEXT_MESSAGE = {Role.SYNCER: Heartbeat(learner_id=0, local_step=1), Role.LEARNER: Shutdown()}
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+@cache
+def load(name: str) -> Json:
+    doc: Json = json.loads((VECTOR_DIR / name).read_text(encoding="utf-8"))
+    return doc
+
+
+@cache
+def schema_validator() -> Any:
+    schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+VECTOR_FILES = sorted(path.name for path in VECTOR_DIR.glob("*.json"))
+
+
+@dataclass(frozen=True)
+class Context:
+    """The decoder a group of tests needs (``context`` in the vector file)."""
+
+    receiver: Role
+    #: The frame is the first on a new syncer socket: the first-frame rule applies.
+    first_frame: bool
+    limits: Limits | None
+    session_hello: bytes | None
+    num_learners: int | None
+    hello_key: bytes | None
+
+    @classmethod
+    def from_json(cls, ctx: Json) -> Context:
+        session = ctx.get("session")
+        key = ctx.get("hello_key")
+        return cls(
+            receiver=Role(ctx["receiver"]),
+            first_frame=ctx["first_frame"],
+            limits=(
+                Limits(WireDtype[session["dtype"].upper()], tuple(session["numels"]))
+                if session
+                else None
+            ),
+            session_hello=bytes.fromhex(session["hello"]) if session else None,
+            num_learners=ctx.get("num_learners"),
+            hello_key=bytes.fromhex(key) if key is not None else None,
+        )
+
+    def decoder(self) -> FrameDecoder:
+        if self.first_frame:  # a syncer's new socket: no session limits yet
+            return FrameDecoder(
+                Role.SYNCER, num_learners=self.num_learners, hello_key=self.hello_key
+            )
+        return FrameDecoder(
+            self.receiver,
+            limits=self.limits,
+            num_learners=self.num_learners,
+            hello_key=self.hello_key,
+            enforce_first_frame=False,
+        )
+
+    def limits_after(self, first: AnyMessage) -> Limits:
+        """The limits a syncer installs once a socket's first frame was accepted."""
+        if isinstance(first, Hello):
+            return Limits.of(first.dtype, first.layout)
+        assert self.limits is not None, "a DATA_HELLO vector's context must name the session"
+        return self.limits
+
+
+@dataclass(frozen=True)
+class Case:
+    file: str
+    context: Context | None
+    test: Json
+
+    @property
+    def id(self) -> str:
+        return f"{self.file.removesuffix('.json')}-{self.test['tcId']}"
+
+    @property
+    def result(self) -> str:
+        result: str = self.test["result"]
+        return result
+
+    @property
+    def code(self) -> str:
+        code: str = self.test["code"]
+        return code
+
+    @property
+    def frame(self) -> bytes:
+        return bytes.fromhex(self.test["hex"])
+
+
+def cases(group_type: str) -> list[Case]:
+    out: list[Case] = []
+    for name in VECTOR_FILES:
+        for group in load(name)["testGroups"]:
+            if group["type"] != group_type:
+                continue
+            context = Context.from_json(group["context"]) if "context" in group else None
+            out.extend(Case(name, context, test) for test in group["tests"])
+    return out
+
+
+def params(selected: list[Case]) -> pytest.MarkDecorator:
+    return pytest.mark.parametrize("case", selected, ids=[c.id for c in selected])
+
+
+FRAME_CASES = cases("FrameTest")
+DECODABLE = [c for c in FRAME_CASES if c.result != "invalid"]
+VALID = [c for c in FRAME_CASES if c.result == "valid"]
+FAIL_EARLY = [c for c in FRAME_CASES if "fail_after" in c.test]
+
+
+# -- messages as JSON ----------------------------------------------------------------------------
+
+
+def message_json(message: AnyMessage) -> Json:
+    """A decoded message in the vector files' form: wire names, hex bytes, enum names."""
+    match message:
+        case Hello():
+            hello: Json = {
+                "type": "HELLO",
+                "protocol_version": PROTOCOL_VERSION,
+                "learner_id": message.learner_id,
+                "connection_generation": message.generation,
+                "dtype": message.dtype.name.lower(),
+                "fragments": [fragment_json(f) for f in message.layout.fragments],
+                "layout_fingerprint": message.layout_fingerprint.hex(),
+                "session_contract_hash": message.session_contract.hex(),
+                "num_streams": message.num_streams,
+            }
+            if message.profile_hash is not None:
+                hello["syncer_profile_hash"] = message.profile_hash.hex()
+            return hello
+        case DataHello():
+            return {
+                "type": "DATA_HELLO",
+                "protocol_version": PROTOCOL_VERSION,
+                "learner_id": message.learner_id,
+                "connection_generation": message.generation,
+                "stream_idx": message.stream_idx,
+            }
+        case InitParams():
+            return {
+                "type": "INIT_PARAMS",
+                "fragment_id": message.fragment_id,
+                "data": message.data.hex(),
+            }
+        case PullReq():
+            return {
+                "type": "PULL_REQ",
+                "fragment_id": message.fragment_id,
+                "global_step": message.global_step,
+                "round_attempt": message.round_attempt,
+            }
+        case PushFragment():
+            return {
+                "type": "PUSH_FRAGMENT",
+                "learner_id": message.learner_id,
+                "fragment_id": message.fragment_id,
+                "global_step": message.global_step,
+                "round_attempt": message.round_attempt,
+                "base_version": message.base_version,
+                "local_step": message.local_step,
+                "c_steps": message.c_steps,
+                "c_tokens": message.c_tokens,
+                "data": message.data.hex(),
+            }
+        case BcastFragment() | FinalFragment():
+            return {
+                "type": message.TYPE.name,
+                "fragment_id": message.fragment_id,
+                "version": message.version,
+                "data": message.data.hex(),
+            }
+        case Heartbeat():
+            return {
+                "type": "HEARTBEAT",
+                "learner_id": message.learner_id,
+                "local_step": message.local_step,
+            }
+        case Shutdown():
+            return {"type": "SHUTDOWN"}
+        case Chunk():
+            return {
+                "type": "CHUNK",
+                "msg_id": message.msg_id,
+                "total_len": message.total_len,
+                "offset": message.offset,
+                "data": message.data.hex(),
+            }
+        case ErrorMessage():
+            return {"type": "ERROR", "text": message.text}
+        case FinalManifest():
+            return {
+                "type": "FINAL_MANIFEST",
+                "revision": FINALIZATION_REVISION,
+                "final_global_step": message.final_global_step,
+                "expected_versions": list(message.expected_versions),
+            }
+        case FinalAck():
+            return {
+                "type": "FINAL_ACK",
+                "revision": FINALIZATION_REVISION,
+                "final_global_step": message.final_global_step,
+            }
+        case BudgetDone():
+            return {"type": "BUDGET_DONE", "exact_local_steps": message.exact_local_steps}
+    raise AssertionError(f"unhandled message {message!r}")
+
+
+def fragment_json(fragment: WireFragment) -> Json:
+    out: Json = {"merge_mode": fragment.merge_mode.name.lower(), "numels": list(fragment.numels)}
+    if fragment.merge_mode is MergeMode.ISO:
+        out["matrix_shapes"] = [{"rows": r, "cols": c} for r, c in fragment.matrix_shapes]
+    return out
+
+
+def message_from_json(obj: Json) -> AnyMessage:
+    """The inverse of :func:`message_json`: build the message a ``decoded`` object describes."""
+    fields = {k: v for k, v in obj.items() if k not in ("type", "protocol_version", "revision")}
+    if "data" in fields:
+        fields["data"] = bytes.fromhex(fields["data"])
+    match obj["type"]:
+        case "HELLO":
+            profile = fields.get("syncer_profile_hash")
+            return Hello(
+                learner_id=fields["learner_id"],
+                generation=fields["connection_generation"],
+                dtype=WireDtype[fields["dtype"].upper()],
+                layout=WireLayout(
+                    tuple(
+                        WireFragment(
+                            MergeMode[f["merge_mode"].upper()],
+                            tuple(f["numels"]),
+                            tuple((s["rows"], s["cols"]) for s in f.get("matrix_shapes", [])),
+                        )
+                        for f in fields["fragments"]
+                    )
+                ),
+                layout_fingerprint=bytes.fromhex(fields["layout_fingerprint"]),
+                session_contract=bytes.fromhex(fields["session_contract_hash"]),
+                num_streams=fields["num_streams"],
+                profile_hash=bytes.fromhex(profile) if profile is not None else None,
+            )
+        case "DATA_HELLO":
+            return DataHello(
+                fields["learner_id"], fields["connection_generation"], fields["stream_idx"]
+            )
+        case "FINAL_MANIFEST":
+            return FinalManifest(fields["final_global_step"], tuple(fields["expected_versions"]))
+        case "ERROR":
+            return ErrorMessage(fields["text"])
+    simple: dict[str, type[AnyMessage]] = {
+        "INIT_PARAMS": InitParams,
+        "PULL_REQ": PullReq,
+        "PUSH_FRAGMENT": PushFragment,
+        "BCAST_FRAGMENT": BcastFragment,
+        "HEARTBEAT": Heartbeat,
+        "SHUTDOWN": Shutdown,
+        "CHUNK": Chunk,
+        "FINAL_ACK": FinalAck,
+        "FINAL_FRAGMENT": FinalFragment,
+        "BUDGET_DONE": BudgetDone,
+    }
+    build: Any = simple[obj["type"]]
+    message: AnyMessage = build(**fields)
+    return message
+
+
+# -- driving a decoder ---------------------------------------------------------------------------
+
+
+class Run:
+    """One decoder fed piece by piece, collecting messages like a socket loop does."""
+
+    def __init__(self, context: Context) -> None:
+        self.context = context
+        self.decoder = context.decoder()
+        self.messages: list[AnyMessage] = []
+        self.error: ProtocolError | None = None
+        self.fed = 0
+
+    def feed(self, data: bytes) -> None:
+        """Feed ``data`` (``b""`` = end of stream), then take every message now available."""
+        if self.error is not None:
+            return
+        self.decoder.feed(data)
+        self.fed += len(data)
+        try:
+            while not isinstance(item := self.decoder.next_frame(), DecoderState):
+                if self.context.first_frame and not self.messages:
+                    # A syncer accepts the first frame, then installs the session's limits.
+                    self.decoder.set_limits(self.context.limits_after(item))
+                self.messages.append(item)
+        except RemoteProtocolError as exc:
+            self.error = exc
+
+    def state(self) -> object:
+        return self.decoder.next_frame()
+
+
+def check_outcome(case: Case, messages: list[AnyMessage], error: ProtocolError | None) -> None:
+    """valid: exactly ``decoded``; invalid: exactly ``code``; acceptable: one of the two."""
+    decoded_ok = error is None and [message_json(m) for m in messages] == [case.test.get("decoded")]
+    failed_ok = error is not None and not messages and error.code.value == case.test.get("code")
+    if case.result == "valid":
+        assert error is None, f"valid frame raised {error!r}"
+        assert decoded_ok, f"decoded {[message_json(m) for m in messages]}"
+    elif case.result == "invalid":
+        assert not messages, f"invalid frame decoded to {messages!r}"
+        assert error is not None, "invalid frame raised nothing"
+        assert error.code.value == case.code, f"raised {error.code.value}, expected {case.code}"
+    else:
+        assert decoded_ok or failed_ok, f"acceptable frame: got {messages!r} / {error!r}"
+
+
+# -- the vector files themselves -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", VECTOR_FILES)
+def test_file_matches_the_schema(name: str) -> None:
+    errors = sorted(schema_validator().iter_errors(load(name)), key=lambda e: e.json_path)
+    assert not errors, "\n".join(f"{e.json_path}: {e.message}" for e in errors[:10])
+
+
+@pytest.mark.parametrize("name", VECTOR_FILES)
+def test_file_bookkeeping(name: str) -> None:
+    """Counts, unique tcIds, described flags, and codes that exist."""
+    doc = load(name)
+    tests = [t for g in doc["testGroups"] for t in g["tests"]]
+    assert doc["numberOfTests"] == len(tests)
+    ids = [t["tcId"] for t in tests]
+    assert len(set(ids)) == len(ids), "tcIds repeat"
+    used = {flag for t in tests for flag in t["flags"]}
+    assert used == set(doc["notes"]), "every flag used is described in notes, and only those"
+    for test in tests:
+        if "code" in test:
+            ErrorCode(test["code"])  # raises for a code yeto_proto does not define
+
+
+@pytest.mark.parametrize("name", VECTOR_FILES)
+def test_session_hello_establishes_the_session(name: str) -> None:
+    """A context's ``session.hello`` decodes, on a new syncer socket, to its dtype and numels."""
+    for group in load(name)["testGroups"]:
+        session = group.get("context", {}).get("session")
+        if session is None:
+            continue
+        context = Context.from_json(group["context"])
+        run = Run(Context(Role.SYNCER, True, None, None, context.num_learners, context.hello_key))
+        run.feed(bytes.fromhex(session["hello"]))
+        assert run.error is None and len(run.messages) == 1
+        hello = run.messages[0]
+        assert isinstance(hello, Hello)
+        assert Limits.of(hello.dtype, hello.layout) == context.limits
+
+
+def test_every_frame_type_has_enough_vectors() -> None:
+    total = 0
+    for name in FRAME_TYPE_FILES:
+        results = [t["result"] for g in load(name)["testGroups"] for t in g["tests"]]
+        assert results.count("valid") >= 3, name
+        assert results.count("invalid") >= 5, name
+    for name in VECTOR_FILES:
+        total += load(name)["numberOfTests"]
+    assert total >= 250
+
+
+def test_the_schema_is_strict() -> None:
+    """additionalProperties: false bites: an unknown field anywhere makes a file invalid."""
+    doc = json.loads((VECTOR_DIR / "pull_req.json").read_text(encoding="utf-8"))
+    doc["testGroups"][0]["tests"][0]["surprise"] = 1
+    assert not schema_validator().is_valid(doc)
+    doc = json.loads((VECTOR_DIR / "pull_req.json").read_text(encoding="utf-8"))
+    doc["testGroups"][0]["tests"][0]["decoded"]["extra_field"] = 0
+    assert not schema_validator().is_valid(doc)
+
+
+def test_regenerating_reproduces_every_committed_byte(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, str(GENERATOR), "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == VECTOR_FILES
+    for name in VECTOR_FILES:
+        assert (tmp_path / name).read_bytes() == (VECTOR_DIR / name).read_bytes(), name
+
+
+# -- frame vectors -------------------------------------------------------------------------------
+
+
+@params(FRAME_CASES)
+def test_frame_fed_whole(case: Case) -> None:
+    assert case.context is not None
+    run = Run(case.context)
+    run.feed(case.frame)
+    check_outcome(case, run.messages, run.error)
+    if run.error is None:
+        assert run.state() is NEED_DATA
+
+
+@params(FRAME_CASES)
+def test_frame_fed_byte_by_byte(case: Case) -> None:
+    assert case.context is not None
+    run = Run(case.context)
+    frame = case.frame
+    fail_after = case.test.get("fail_after", len(frame))
+    for i in range(len(frame)):
+        run.feed(frame[i : i + 1])
+        if run.error is not None:
+            break
+        if i + 1 < len(frame):
+            assert not run.messages, f"a message appeared after {i + 1} of {len(frame)} bytes"
+        if case.result == "invalid":
+            assert i + 1 < fail_after, f"no error once {fail_after} bytes were fed"
+    check_outcome(case, run.messages, run.error)
+    if run.error is not None and case.result == "invalid":
+        assert run.fed <= fail_after
+
+
+@params(FAIL_EARLY)
+def test_header_errors_need_no_payload_byte(case: Case) -> None:
+    """Feeding exactly ``fail_after`` bytes (13: the header) raises; nothing is allocated."""
+    assert case.context is not None
+    run = Run(case.context)
+    run.feed(case.frame[: case.test["fail_after"]])
+    assert run.error is not None, "the header alone must decide"
+    assert run.error.code.value == case.code
+
+
+@params(FRAME_CASES)
+def test_frame_followed_by_trailing_data(case: Case) -> None:
+    """The bytes after a frame are the start of the next one: NEED_DATA, then that frame."""
+    assert case.context is not None
+    context = case.context
+    next_frame = NEXT_FRAME[context.receiver]
+    decoder = context.decoder()
+    decoder.feed(case.frame + next_frame[:5])
+    try:
+        first = decoder.next_frame()
+    except RemoteProtocolError as exc:
+        check_outcome(case, [], exc)
+        return
+    assert not isinstance(first, DecoderState), "a complete frame must decode"
+    check_outcome(case, [first], None)
+    if context.first_frame:
+        # The socket's first frame: later bytes wait until the syncer installs the limits.
+        assert decoder.next_frame() is NEED_DATA
+        decoder.set_limits(context.limits_after(first))
+    assert decoder.next_frame() is NEED_DATA
+    decoder.feed(next_frame[5:])
+    assert decoder.next_frame() == NEXT_MESSAGE[context.receiver]
+    assert decoder.next_frame() is NEED_DATA
+
+
+@params(VALID)
+def test_truncated_frame_needs_data_until_the_stream_ends(case: Case) -> None:
+    assert case.context is not None
+    frame = case.frame
+    for cut in sorted({1, 12, 13, len(frame) - 1} & set(range(1, len(frame)))):
+        run = Run(case.context)
+        run.feed(frame[:cut])
+        assert run.error is None and not run.messages, f"cut at {cut}"
+        assert run.state() is NEED_DATA
+        run.feed(b"")
+        assert run.error is not None, f"cut at {cut}: end of stream inside a frame"
+        assert run.error.code is ErrorCode.CONNECTION_CLOSED_MID_FRAME
+    run = Run(case.context)
+    run.feed(frame)
+    run.feed(b"")
+    assert len(run.messages) == 1 and run.error is None
+    assert run.state() is CLOSED
+
+
+@params(VALID)
+def test_valid_frame_reencodes_to_the_same_bytes(case: Case) -> None:
+    assert case.context is not None
+    run = Run(case.context)
+    run.feed(case.frame)
+    (message,) = run.messages
+    key = case.context.hello_key if isinstance(message, Hello) else None
+    assert encode_bytes(message, hello_key=key) == case.frame
+    rebuilt = message_from_json(case.test["decoded"])
+    assert encode_bytes(rebuilt, hello_key=key) == case.frame
+
+
+# -- chunk sequences -----------------------------------------------------------------------------
+
+CHUNK_SEQUENCES = cases("ChunkSequenceTest")
+
+
+def reassemble(context: Context, chunks: list[bytes]) -> Iterator[AnyMessage | None]:
+    """Decode each CHUNK frame and hand it to one reassembler; yield what each completes."""
+    decoder = context.decoder()
+    assert context.limits is not None
+    reassembler = Reassembler(context.receiver, context.limits)
+    for frame in chunks:
+        decoder.feed(frame)
+        item = decoder.next_frame()
+        assert isinstance(item, Chunk), f"expected a CHUNK, got {item!r}"
+        assert decoder.next_frame() is NEED_DATA
+        yield reassembler.add(item)
+
+
+@params(CHUNK_SEQUENCES)
+def test_chunk_sequence(case: Case) -> None:
+    assert case.context is not None and not case.context.first_frame
+    chunks = [bytes.fromhex(c) for c in case.test["chunks"]]
+    steps = reassemble(case.context, chunks)
+    if case.result == "valid":
+        completed = [m for m in steps if m is not None]
+        assert [message_json(m) for m in completed] == case.test["decoded"]
+        return
+    # Every CHUNK but the last is accepted, completing exactly the listed messages.
+    completed = [m for m in itertools.islice(steps, len(chunks) - 1) if m is not None]
+    expected = case.test.get("completed_before_error", [])
+    assert [message_json(m) for m in completed] == expected
+    with pytest.raises(RemoteProtocolError) as caught:
+        next(steps)
+    assert caught.value.code.value == case.code
+
+
+@params([c for c in CHUNK_SEQUENCES if "slice_size" in c.test])
+def test_chunk_sequence_is_what_a_sender_emits(case: Case) -> None:
+    (decoded,) = case.test["decoded"]
+    slicer = ChunkSlicer(num_data_streams=2, slice_size=case.test["slice_size"])
+    sent = slicer.slice(encode(message_from_json(decoded)))
+    assert [b"".join(bytes(b) for b in s.buffers).hex() for s in sent] == case.test["chunks"]
+    assert [s.stream_idx for s in sent] == [i % 2 for i in range(len(sent))]
+
+
+# -- dtype codecs --------------------------------------------------------------------------------
+
+
+def f32_of(hex_text: str) -> np.ndarray[Any, np.dtype[np.float32]]:
+    return np.frombuffer(bytes.fromhex(hex_text), dtype="<f4")
+
+
+def expect_error(case: Case, error: BaseException | None) -> None:
+    assert isinstance(error, ProtocolError), f"expected {case.code}, got {error!r}"
+    assert error.code.value == case.code
+
+
+@params(cases("Bf16CodecTest"))
+def test_bf16_codec(case: Case) -> None:
+    test = case.test
+    if test["op"] == "decode":
+        if case.result == "invalid":
+            with pytest.raises(ProtocolError) as caught:
+                bf16_to_f32(bytes.fromhex(test["bf16"]))
+            expect_error(case, caught.value)
+            return
+        assert bf16_to_f32(bytes.fromhex(test["bf16"])).astype("<f4").tobytes().hex() == test["f32"]
+        return
+    got = f32_to_bf16(f32_of(test["f32"])).astype("<u2")
+    if case.result == "valid":
+        assert got.tobytes().hex() == test["bf16"]
+        return
+    # acceptable: the inputs are NaNs; any quiet bf16 NaN (exponent all ones, quiet bit) will do.
+    assert np.isnan(f32_of(test["f32"])).all()
+    assert ((got & 0x7F80) == 0x7F80).all() and ((got & 0x0040) != 0).all()
+
+
+@params(cases("Q4CodecTest"))
+def test_q4_codec(case: Case) -> None:
+    test = case.test
+    error: BaseException | None = None
+    try:
+        if test["op"] == "encode":
+            got = q4_encode(f32_of(test["f32"])).tobytes().hex()
+            expected = test.get("q4")
+        else:
+            values = q4_decode(bytes.fromhex(test["q4"]), test["numel"])
+            got = values.astype("<f4").tobytes().hex()
+            expected = test.get("f32")
+    except ProtocolError as exc:
+        error = exc
+    if case.result == "invalid":
+        expect_error(case, error)
+    else:
+        assert error is None, repr(error)
+        assert got == expected
+
+
+# -- identity ------------------------------------------------------------------------------------
+
+
+@params(cases("LayoutFingerprintTest"))
+def test_layout_fingerprint(case: Case) -> None:
+    expected = case.test["fingerprint"]
+    assert hashlib.sha256(bytes.fromhex(case.test["canonical_hex"])).hexdigest() == expected
+    assert Layout.from_json_dict(case.test["layout"]).fingerprint().hex() == expected
+
+
+@params(cases("ProfileHashTest"))
+def test_profile_hash(case: Case) -> None:
+    fields = dict(case.test["profile"])
+    fields["delta_correction"] = DeltaCorrection[fields["delta_correction"].upper()]
+    fields["learner_weight"] = LearnerWeight[fields["learner_weight"].upper().replace("-", "_")]
+    profile = SyncerProfile(**fields)
+    assert profile.canonical_bytes().hex() == case.test["canonical_hex"]
+    assert profile.digest().hex() == case.test["digest"]
+
+
+@params(cases("HelloMacTest"))
+def test_hello_mac(case: Case) -> None:
+    key, body, mac = (bytes.fromhex(case.test[k]) for k in ("key", "body", "mac"))
+    if case.result == "valid":
+        assert hello_mac(key, body) == mac
+        assert bytes(verify_hello(key, memoryview(body + mac))) == body
+        return
+    assert hello_mac(key, body) != mac
+    with pytest.raises(RemoteProtocolError) as caught:
+        verify_hello(key, memoryview(body + mac))
+    assert caught.value.code.value == case.code
