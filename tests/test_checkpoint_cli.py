@@ -1,0 +1,350 @@
+"""``yeto checkpoint inspect|export`` through ``yeto_learn.cli.main`` (and once as a process)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from yeto_learn.cli import main
+from yeto_proto.checkpoint import (
+    Checkpoint,
+    CheckpointFormat,
+    FragmentState,
+    LedgerEntry,
+    TrailerKind,
+    write_checkpoint,
+    write_final_marker,
+)
+from yeto_proto.constants import IsoBackend, MergeMode
+from yeto_proto.layout import FragmentSpec, Layout, TensorSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTRACT = bytes(range(7, 39))
+
+
+def model_layout(
+    names: tuple[str, str, str] = ("embed.weight", "head.weight", "head.bias"),
+) -> Layout:
+    return Layout(
+        (
+            FragmentSpec(MergeMode.ISO, (TensorSpec(names[0], (3, 4)),)),
+            FragmentSpec(MergeMode.AVG, (TensorSpec(names[1], (2, 2)), TensorSpec(names[2], (2,)))),
+        )
+    )
+
+
+def v3_checkpoint(layout: Layout, global_step: int = 4) -> Checkpoint:
+    rng = np.random.default_rng(3)
+    fragments = tuple(
+        FragmentState(
+            version=v,
+            params=rng.standard_normal(n).astype(np.float32),
+            momentum=rng.standard_normal(n).astype(np.float32),
+        )
+        for v, n in zip((3, 4), (12, 6), strict=True)
+    )
+    return Checkpoint(
+        format=CheckpointFormat.V3,
+        iso_backend=IsoBackend.TORCH_SVD,
+        fingerprint=layout.fingerprint(),
+        global_step=global_step,
+        fragments=fragments,
+        ledger=(LedgerEntry(0, 4, 96, 12288), LedgerEntry(1, 3, 70, 9000)),
+        contract=CONTRACT,
+        trailer=TrailerKind.FINGERPRINT_AND_CONTRACT,
+    )
+
+
+def as_legacy(v3: bytes, fmt: CheckpointFormat, trailer_bytes: int) -> bytes:
+    """The same state in V1 or V2 form: another prefix, the same body, a shorter trailer."""
+    backend, step = v3[4], v3[37:45]
+    prefix = struct.pack("<I", fmt) + (bytes([backend]) if fmt is CheckpointFormat.V2 else b"")
+    body = v3[45 : len(v3) - 68]
+    return prefix + step + body + v3[len(v3) - 68 :][:trailer_bytes]
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    layout = model_layout()
+    paths = {name: tmp_path / f"{name}.bin" for name in ("v1", "v2", "v3")}
+    write_checkpoint(paths["v3"], v3_checkpoint(layout))
+    v3 = paths["v3"].read_bytes()
+    paths["v2"].write_bytes(as_legacy(v3, CheckpointFormat.V2, 0))
+    paths["v1"].write_bytes(as_legacy(v3, CheckpointFormat.V1, 0))
+    paths["layout"] = tmp_path / "layout.json"
+    paths["layout"].write_text(layout.to_json())
+    return paths
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def inspect_json(capsys: pytest.CaptureFixture[str], path: Path) -> dict[str, Any]:
+    code, out, err = run(capsys, "checkpoint", "inspect", path, "--json")
+    assert code == 0, err
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+# -- inspect -------------------------------------------------------------------------------------
+def test_inspect_reports_every_field_of_v3(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path]
+) -> None:
+    info = inspect_json(capsys, files["v3"])
+    assert info["format"] == "V3" and info["magic"] == "0xD1705A80"
+    assert info["iso_backend"] == "torch-svd"
+    assert info["fingerprint"] == model_layout().fingerprint().hex()
+    assert info["fingerprint_source"] == "prefix"
+    assert info["global_step"] == 4
+    assert [(f["id"], f["version"], f["numel"]) for f in info["fragments"]] == [
+        (0, 3, 12),
+        (1, 4, 6),
+    ]
+    assert info["versions_match_schedule"] is True
+    assert info["ledger"][1] == {"learner_id": 1, "merges": 3, "steps": 70, "tokens": 9000}
+    assert info["contract"] == CONTRACT.hex()
+    assert (info["trailer"], info["trailer_bytes"]) == ("fingerprint+contract", 68)
+    assert info["final_marker"]["status"] == "absent"
+
+
+def test_inspect_reads_legacy_formats(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path]
+) -> None:
+    v2 = inspect_json(capsys, files["v2"])
+    v1 = inspect_json(capsys, files["v1"])
+    assert (v2["format"], v2["iso_backend"], v2["fingerprint"]) == ("V2", "torch-svd", None)
+    assert (v1["format"], v1["iso_backend"], v1["contract"]) == ("V1", None, None)
+    for info in (v1, v2):
+        assert info["global_step"] == 4 and info["trailer_bytes"] == 0
+        assert [f["numel"] for f in info["fragments"]] == [12, 6]
+
+
+def test_inspect_shows_the_final_marker_state(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path]
+) -> None:
+    write_final_marker(files["v3"], 4)
+    assert inspect_json(capsys, files["v3"])["final_marker"]["status"] == "final"
+    write_final_marker(files["v3"], 3)
+    marker = inspect_json(capsys, files["v3"])["final_marker"]
+    assert (marker["status"], marker["global_step"]) == ("step-mismatch", 3)
+
+
+def test_inspect_text_output(capsys: pytest.CaptureFixture[str], files: dict[str, Path]) -> None:
+    code, out, _ = run(capsys, "checkpoint", "inspect", files["v1"])
+    assert code == 0
+    assert "V1 (magic 0xD1705A7E)" in out and "not recorded" in out
+    assert "global step   4" in out and "ledger        2 entries" in out
+
+
+@pytest.mark.parametrize("cut", [0, 3, 60, 200])
+def test_a_corrupt_file_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], cut: int
+) -> None:
+    bad = files["v3"].with_name("bad.bin")
+    bad.write_bytes(files["v3"].read_bytes()[:cut])
+    code, out, err = run(capsys, "checkpoint", "inspect", bad)
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and str(bad) in err and "CKPT_TRUNCATED" in err
+
+
+def test_the_yeto_process_exits_2_on_a_foreign_file(tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign.bin"
+    foreign.write_bytes(b"PK\x03\x04" + bytes(64))
+    done = subprocess.run(
+        [sys.executable, "-m", "yeto_learn.cli", "checkpoint", "inspect", str(foreign)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("yeto checkpoint inspect: error: CKPT_BAD_MAGIC: prefix:")
+    assert str(foreign) in done.stderr
+
+
+def test_usage_errors_exit_2_and_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert main(["checkpoint"]) == 2
+    assert main(["--help"]) == 0
+    assert "checkpoint" in capsys.readouterr().out
+
+
+def test_importing_the_command_does_not_import_torch() -> None:
+    code = "import sys, yeto_learn, yeto_learn.cli; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+# -- export --------------------------------------------------------------------------------------
+def expected_tensors(path: Path) -> dict[str, np.ndarray[Any, Any]]:
+    checkpoint = v3_checkpoint(model_layout())
+    first, second = (f.params for f in checkpoint.fragments)
+    assert path.exists()
+    return {
+        "embed.weight": first.reshape(3, 4),
+        "head.weight": second[:4].reshape(2, 2),
+        "head.bias": second[4:],
+    }
+
+
+def test_export_safetensors_is_bit_exact(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path
+) -> None:
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "model.safetensors"
+    code, stdout, err = run(
+        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
+    )
+    assert code == 0, err
+    assert "3 tensors" in stdout
+    loaded = load_file(str(out))
+    for name, want in expected_tensors(files["v3"]).items():
+        assert loaded[name].dtype == np.float32 and loaded[name].shape == want.shape
+        assert loaded[name].tobytes() == want.tobytes()
+    with safe_open(str(out), "np") as handle:
+        metadata = handle.metadata()
+    assert metadata["layout_fingerprint"] == model_layout().fingerprint().hex()
+    assert (metadata["global_step"], metadata["iso_backend"]) == ("4", "torch-svd")
+
+
+def test_export_torch_state_dict_is_bit_exact(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path
+) -> None:
+    import torch
+
+    out = tmp_path / "model.pt"
+    code, _, err = run(
+        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
+    )
+    assert code == 0, err
+    state_dict = torch.load(out, weights_only=True)
+    expected = expected_tensors(files["v3"])
+    assert list(state_dict) == list(expected)
+    for name, want in expected.items():
+        assert state_dict[name].dtype == torch.float32
+        assert state_dict[name].numpy().tobytes() == want.tobytes()
+        # Saved with its own bytes only, not the whole fragment buffer it was a view of.
+        assert state_dict[name].untyped_storage().nbytes() == want.nbytes
+
+
+def write_layout(tmp_path: Path, layout: Layout) -> Path:
+    path = tmp_path / "other-layout.json"
+    path.write_text(layout.to_json())
+    return path
+
+
+def test_export_refuses_before_touching_the_output(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"previous export")
+    # Same sizes, tensors named differently: the V3 fingerprint proves it is another layout.
+    renamed = write_layout(tmp_path, model_layout(("a", "b", "c")))
+    truncated = files["v3"].with_name("cut.bin")
+    truncated.write_bytes(files["v3"].read_bytes()[:-10])
+    bad_layout = tmp_path / "broken.json"
+    bad_layout.write_text("{")
+    for checkpoint, layout, code_name in (
+        (files["v3"], renamed, "CKPT_LAYOUT_MISMATCH"),
+        (truncated, files["layout"], "CKPT_BAD_TRAILER"),
+        (files["v3"], bad_layout, "CKPT_BAD_LAYOUT"),
+    ):
+        code, _, err = run(
+            capsys, "checkpoint", "export", checkpoint, "--layout", layout, "--out", out
+        )
+        assert code == 2 and code_name in err and err.count("\n") == 1
+    assert out.read_bytes() == b"previous export"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_legacy_export_needs_the_identity_for_grouped_layouts(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "legacy.safetensors"
+    fingerprint = model_layout().fingerprint().hex()
+    base = ("checkpoint", "export")
+    common = ("--layout", files["layout"], "--out", out)
+
+    code, _, err = run(capsys, *base, files["v2"], *common)
+    assert code == 2 and "CKPT_IDENTITY_REQUIRED" in err and not out.exists()
+    code, _, err = run(capsys, *base, files["v2"], *common, "--legacy-fingerprint", "00" * 32)
+    assert code == 2 and "CKPT_LAYOUT_MISMATCH" in err and not out.exists()
+    code, _, err = run(capsys, *base, files["v2"], *common, "--legacy-fingerprint", fingerprint)
+    assert code == 0, err
+
+    code, _, err = run(capsys, *base, files["v1"], *common, "--legacy-fingerprint", fingerprint)
+    assert code == 2 and "--iso-backend" in err
+    code, _, err = run(
+        capsys,
+        *base,
+        files["v1"],
+        *common,
+        "--legacy-fingerprint",
+        fingerprint,
+        "--iso-backend",
+        "torch-svd",
+    )
+    assert code == 0, err
+    from safetensors.numpy import load_file
+
+    loaded = load_file(str(out))
+    for name, want in expected_tensors(files["v1"]).items():
+        assert loaded[name].tobytes() == want.tobytes()
+
+
+def test_legacy_export_of_an_ungrouped_layout(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    layout = Layout(
+        (
+            FragmentSpec(MergeMode.AVG, (TensorSpec("a", (12,)),)),
+            FragmentSpec(MergeMode.AVG, (TensorSpec("b", (2, 3)),)),
+        )
+    )
+    v3 = tmp_path / "v3.bin"
+    write_checkpoint(v3, v3_checkpoint(model_layout()))
+    v2 = tmp_path / "v2.bin"
+    v2.write_bytes(as_legacy(v3.read_bytes(), CheckpointFormat.V2, 0))
+    out = tmp_path / "out.pt"
+    layout_path = write_layout(tmp_path, layout)
+    code, _, err = run(capsys, "checkpoint", "export", v2, "--layout", layout_path, "--out", out)
+    assert code == 0, err
+    # A fingerprint trailer in a legacy file is compared too: here it names another layout.
+    v2.write_bytes(as_legacy(v3.read_bytes(), CheckpointFormat.V2, 32))
+    code, _, err = run(capsys, "checkpoint", "export", v2, "--layout", layout_path, "--out", out)
+    assert code == 2 and "CKPT_LAYOUT_MISMATCH" in err
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [("--out", "model.bin"), ("--out", "m.pt", "--legacy-fingerprint", "xyz")],
+    ids=["suffix", "fingerprint-hex"],
+)
+def test_export_usage_errors_exit_2(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], extra: tuple[str, ...]
+) -> None:
+    code, _, err = run(
+        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], *extra
+    )
+    assert code == 2 and "error:" in err
+
+
+def test_export_into_a_missing_directory_is_ckpt_io(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "no-such-dir" / "model.safetensors"
+    code, _, err = run(
+        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
+    )
+    assert code == 2 and "CKPT_IO" in err and str(out) in err and err.count("\n") == 1

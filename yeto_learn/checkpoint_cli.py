@@ -1,0 +1,251 @@
+"""``yeto checkpoint inspect|export``: look into a V1/V2/V3 checkpoint, or export its parameters.
+
+Both read through :func:`yeto_proto.checkpoint.read_checkpoint`, so a file is used only after it
+validated completely; export proves the layout first and then replaces the output atomically.
+Bad input raises a :class:`~yeto_proto.errors.ProtocolError`, which ``yeto`` turns into one line on
+stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from yeto_proto.checkpoint import (
+    Checkpoint,
+    LegacyIdentity,
+    TrailerKind,
+    atomic_replace,
+    export_tensors,
+    io_error,
+    iso_backend_name,
+    load_layout,
+    marker_path,
+    marker_state,
+    read_checkpoint,
+    scheduled_version,
+)
+from yeto_proto.constants import DIGEST_SIZE, IsoBackend
+from yeto_proto.errors import CheckpointError, ErrorCode
+
+if TYPE_CHECKING:
+    from yeto_proto.checkpoint import ExportedTensors
+
+    from .cli import Commands
+
+ISO_BACKEND_NAMES = {iso_backend_name(backend): backend for backend in IsoBackend}
+SAFETENSORS_SUFFIXES = frozenset({".safetensors"})
+TORCH_SUFFIXES = frozenset({".pt", ".pth"})
+_TRAILER_NAMES = {
+    TrailerKind.NONE: "none",
+    TrailerKind.FINGERPRINT: "fingerprint",
+    TrailerKind.FINGERPRINT_AND_CONTRACT: "fingerprint+contract",
+}
+
+
+def register(commands: Commands) -> None:
+    checkpoint = commands.add_parser(
+        "checkpoint", help="inspect or export syncer checkpoints (V1, V2, V3)"
+    )
+    actions = checkpoint.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    inspect = actions.add_parser("inspect", help="print what a checkpoint holds")
+    inspect.add_argument("path", type=Path, metavar="PATH")
+    inspect.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    inspect.set_defaults(handler=run_inspect, command_prog=inspect.prog)
+
+    export = actions.add_parser(
+        "export",
+        help="write the parameters as named tensors (.safetensors or .pt)",
+        description="Map flat fragments back to named, shaped tensors. V3 proves the layout by "
+        "its fingerprint; V1/V2 need the historical layout, and for grouped layouts the audited "
+        "--legacy-fingerprint (V1 always also --iso-backend). Nothing is guessed.",
+    )
+    export.add_argument("path", type=Path, metavar="PATH")
+    export.add_argument("--layout", type=Path, required=True, help="layout JSON file")
+    export.add_argument(
+        "--out",
+        type=_out_path,
+        required=True,
+        help="output file: *.safetensors, or *.pt for a torch state_dict",
+    )
+    export.add_argument(
+        "--legacy-fingerprint",
+        type=_fingerprint_arg,
+        metavar="HEX",
+        help="V1/V2 with a grouped layout: the original layout fingerprint (64 hex digits)",
+    )
+    export.add_argument(
+        "--iso-backend",
+        choices=sorted(ISO_BACKEND_NAMES),
+        help="V1: the iso backend the checkpoint was written with",
+    )
+    export.set_defaults(handler=run_export, command_prog=export.prog)
+
+
+def _fingerprint_arg(text: str) -> bytes:
+    try:
+        value = bytes.fromhex(text)
+    except ValueError:
+        value = b""
+    if len(value) != DIGEST_SIZE:
+        raise argparse.ArgumentTypeError(f"expected {2 * DIGEST_SIZE} hex digits, got {text!r}")
+    return value
+
+
+def _out_path(text: str) -> Path:
+    path = Path(text)
+    if path.suffix.lower() not in SAFETENSORS_SUFFIXES | TORCH_SUFFIXES:
+        raise argparse.ArgumentTypeError(f"must end in .safetensors or .pt, not {path.name!r}")
+    return path
+
+
+# -- inspect ---------------------------------------------------------------------------------------
+def describe(path: Path) -> dict[str, Any]:
+    """Everything ``inspect`` reports, as JSON-ready values (array contents excluded)."""
+    checkpoint = read_checkpoint(path, mapped=True)
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise io_error(path, exc, section="open") from None
+    marker = marker_state(path, checkpoint.global_step)
+    step, count = checkpoint.global_step, checkpoint.num_fragments
+    fragments = [
+        {
+            "id": index,
+            "version": fragment.version,
+            "numel": fragment.numel,
+            "scheduled_version": scheduled_version(index, step, count),
+        }
+        for index, fragment in enumerate(checkpoint.fragments)
+    ]
+    return {
+        "path": str(path),
+        "size_bytes": size,
+        "format": checkpoint.format.name,
+        "magic": f"0x{checkpoint.format.value:08X}",
+        "iso_backend": _or_none_name(checkpoint.iso_backend),
+        "fingerprint": checkpoint.fingerprint.hex() if checkpoint.fingerprint else None,
+        "fingerprint_source": _fingerprint_source(checkpoint),
+        "global_step": step,
+        "num_fragments": count,
+        "total_numel": sum(checkpoint.numels),
+        "fragments": fragments,
+        "versions_match_schedule": all(f["version"] == f["scheduled_version"] for f in fragments),
+        "ledger": [
+            {"learner_id": e.learner_id, "merges": e.merges, "steps": e.steps, "tokens": e.tokens}
+            for e in checkpoint.ledger
+        ],
+        "contract": checkpoint.contract.hex() if checkpoint.contract else None,
+        "trailer": _TRAILER_NAMES[checkpoint.trailer],
+        "trailer_bytes": checkpoint.trailer.value,
+        "final_marker": {
+            "path": str(marker_path(path)),
+            "status": marker.status.value,
+            "global_step": marker.marker_step,
+            "detail": marker.detail,
+        },
+    }
+
+
+def _or_none_name(backend: IsoBackend | None) -> str | None:
+    return iso_backend_name(backend) if backend is not None else None
+
+
+def _fingerprint_source(checkpoint: Checkpoint) -> str | None:
+    if checkpoint.fingerprint is None:
+        return None
+    return "prefix" if checkpoint.fingerprint_confirmed else "trailer (unconfirmed)"
+
+
+def render_text(info: dict[str, Any]) -> str:
+    marker = info["final_marker"]
+    lines = [
+        f"file          {info['path']} ({info['size_bytes']} bytes)",
+        f"format        {info['format']} (magic {info['magic']})",
+        f"iso backend   {info['iso_backend'] or 'not recorded'}",
+        f"fingerprint   {_or_none(info['fingerprint'])}"
+        + (f" [{info['fingerprint_source']}]" if info["fingerprint"] else ""),
+        f"global step   {info['global_step']}",
+        f"contract      {_or_none(info['contract'])}",
+        f"trailer       {info['trailer']} ({info['trailer_bytes']} bytes)",
+        f"final marker  {marker['status']}: {marker['detail']}",
+        f"fragments     {info['num_fragments']} ({info['total_numel']} values; versions "
+        + ("match" if info["versions_match_schedule"] else "DO NOT match")
+        + " the schedule)",
+        "  id       version          numel",
+    ]
+    for fragment in info["fragments"]:
+        flag = "" if fragment["version"] == fragment["scheduled_version"] else "  (schedule: "
+        flag += f"{fragment['scheduled_version']})" if flag else ""
+        lines.append(
+            f"  {fragment['id']:<6} {fragment['version']:>9} {fragment['numel']:>14}{flag}"
+        )
+    lines.append(f"ledger        {len(info['ledger'])} entries")
+    if info["ledger"]:
+        lines.append("  learner     merges          steps             tokens")
+        for entry in info["ledger"]:
+            lines.append(
+                f"  {entry['learner_id']:<7} {entry['merges']:>10} {entry['steps']:>14} "
+                f"{entry['tokens']:>18}"
+            )
+    return "\n".join(lines)
+
+
+def _or_none(value: str | None) -> str:
+    return value if value is not None else "none"
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    info = describe(args.path)
+    print(json.dumps(info, indent=2) if args.json else render_text(info))
+    return 0
+
+
+# -- export ----------------------------------------------------------------------------------------
+def run_export(args: argparse.Namespace) -> int:
+    out: Path = args.out
+    layout = load_layout(args.layout)
+    checkpoint = read_checkpoint(args.path, mapped=True)
+    legacy = LegacyIdentity(
+        fingerprint=args.legacy_fingerprint,
+        iso_backend=ISO_BACKEND_NAMES[args.iso_backend] if args.iso_backend else None,
+    )
+    exported = export_tensors(checkpoint, layout, legacy)
+    if not out.parent.is_dir():
+        raise CheckpointError(ErrorCode.CKPT_IO, f"no such directory (file {out})", section="write")
+    save = _save_safetensors if out.suffix.lower() in SAFETENSORS_SUFFIXES else _save_torch
+    with atomic_replace(out) as staging:
+        try:
+            save(exported, staging)
+        except (OSError, RuntimeError) as exc:  # a full disk, say; torch reports RuntimeError
+            raise CheckpointError(
+                ErrorCode.CKPT_IO, f"{exc} (file {out})".replace("\n", " "), section="write"
+            ) from None
+    total = sum(t.size for t in exported.tensors.values())
+    print(f"exported {len(exported.tensors)} tensors ({total} values) to {out}")
+    return 0
+
+
+def _save_safetensors(exported: ExportedTensors, staging: Path) -> None:
+    from safetensors import SafetensorError
+    from safetensors.numpy import save_file
+
+    try:
+        save_file(exported.tensors, os.fspath(staging), metadata=exported.metadata)
+    except SafetensorError as exc:
+        raise OSError(str(exc)) from exc
+
+
+def _save_torch(exported: ExportedTensors, staging: Path) -> None:
+    import torch
+
+    with warnings.catch_warnings():
+        # The arrays are read-only views of the mapped checkpoint; torch.save only reads them.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        state_dict = {name: torch.from_numpy(array) for name, array in exported.tensors.items()}
+        torch.save(state_dict, staging)

@@ -1,0 +1,59 @@
+"""The ``yeto`` command: one argparse parser whose subcommands live in their own modules.
+
+A subcommand module offers ``register(commands)``: it adds its parser to ``commands`` and sets
+``handler=<function(args) -> int>`` and ``command_prog`` (its name for error lines) as defaults.
+Adding ``yeto launch`` or ``yeto bench`` is one more entry in :data:`SUBCOMMANDS`. Modules import
+heavy dependencies (torch) inside their handlers, so ``yeto --help`` stays fast.
+
+Exit codes: 0 success; 2 bad input (usage, or a file that failed validation: one line on stderr
+naming the file, the section and the reason).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import TypeAlias
+
+from yeto_proto.errors import ProtocolError
+
+from . import checkpoint_cli
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+
+#: What a subcommand module's ``register`` receives.
+Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+#: Each registers one top-level subcommand.
+SUBCOMMANDS: tuple[Callable[[Commands], None], ...] = (checkpoint_cli.register,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="yeto", description="YETO v4 learners, benchmarks and checkpoint tools."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for register in SUBCOMMANDS:
+        register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help (0) and usage errors (2)
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except ProtocolError as exc:
+        # Subcommands set ``command_prog`` (e.g. "yeto checkpoint inspect") for this line.
+        prog = getattr(args, "command_prog", parser.prog)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

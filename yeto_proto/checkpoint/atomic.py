@@ -1,0 +1,95 @@
+"""Replace a file atomically: a crash at any point leaves the old file or the new one, whole.
+
+The content goes to a fresh temporary file in the target's own directory (a rename across file
+systems would not be atomic), is flushed and fsynced, renamed over the target, and then the
+directory is fsynced so the rename itself is durable. The old file's cached pages are released
+first, so old and new do not occupy the page cache together. On an error the temporary file is
+removed and the target is untouched; only a hard crash can leave a ``.<name>.*.tmp`` file
+behind, never a damaged target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import CheckpointError, ErrorCode
+
+
+def temporary_sibling(target: Path) -> Path:
+    """A fresh hidden name beside ``target`` (same directory, so same file system)."""
+    return target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory by path (a directory needs a read-only descriptor)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def release_cached_pages(path: Path) -> None:
+    """Advise the kernel to drop the page cache of a file that is about to be replaced.
+
+    Old and new content would otherwise sit in the page cache side by side, so replacing a
+    2 GiB checkpoint would ask for 2 GiB of fresh cache. Advisory only: contents never change,
+    dirty pages are kept, and a missing file or a platform without ``posix_fadvise`` is fine.
+    """
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_replace(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path to write; on a clean exit it durably replaces ``target``.
+
+    The caller writes the temporary path however it likes (it does not exist yet). Its own
+    handles must be closed when the block ends; the data is then fsynced, renamed and the
+    directory fsynced. ``OSError`` becomes ``CheckpointError(CKPT_IO)``.
+    """
+    final = Path(target)
+    staging = temporary_sibling(final)
+    release_cached_pages(final)
+    try:
+        yield staging
+        fsync_path(staging)
+        os.replace(staging, final)
+    except BaseException as exc:
+        with contextlib.suppress(FileNotFoundError):
+            staging.unlink()
+        if isinstance(exc, OSError):
+            raise io_error(final, exc) from exc
+        raise
+    try:
+        fsync_path(final.parent)
+    except OSError as exc:
+        raise io_error(final, exc) from exc
+
+
+def write_bytes_atomically(target: str | os.PathLike[str], data: bytes) -> None:
+    """Atomically replace ``target`` with ``data`` (for small files such as the final marker)."""
+    with atomic_replace(target) as staging, open(staging, "xb") as file:
+        file.write(data)
+
+
+def io_error(
+    path: str | os.PathLike[str], exc: OSError, *, section: str = "write"
+) -> CheckpointError:
+    """The one-line ``CKPT_IO`` error for a failed read or write of ``path``."""
+    reason = exc.strerror or str(exc)
+    return CheckpointError(ErrorCode.CKPT_IO, f"{reason} (file {os.fspath(path)})", section=section)

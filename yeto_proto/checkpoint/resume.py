@@ -1,0 +1,103 @@
+"""May the running syncer install this checkpoint? One function, one answer, one reason.
+
+Checks, in order (the first failure is the reason):
+
+1. format: V1 never resumes (its iso backend is unknown);
+2. iso backend equals the running syncer's;
+3. identity: V3's fingerprint equals the accepted HELLO fingerprint, even when fragment
+   counts and every flat size match; V2 records none, so it resumes only when every fragment
+   of the wire layout has exactly one tensor (grouped V2 fails closed), and a fingerprint
+   trailer it does carry must equal the HELLO fingerprint;
+4. fragment count and each fragment's numel equal the wire layout's;
+5. each fragment's version is the one the schedule gives for the checkpoint's global step;
+6. a contract the checkpoint carries equals the session's; V3 must carry one (current writers
+   always do), while V2 may lack it, since the source lets legacy V2 resume on the rules above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..constants import IsoBackend
+from ..layout import WireLayout
+from .model import Checkpoint, CheckpointFormat, iso_backend_name
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeDecision:
+    eligible: bool
+    reason: str
+
+
+def scheduled_version(fragment: int, global_step: int, num_fragments: int) -> int:
+    """Version of ``fragment`` after rounds ``1..global_step`` (round t targets (t-1) mod F)."""
+    first_round = fragment + 1
+    if global_step < first_round:
+        return 0
+    return first_round + (global_step - first_round) // num_fragments * num_fragments
+
+
+def _refuse(reason: str) -> ResumeDecision:
+    return ResumeDecision(eligible=False, reason=reason)
+
+
+def resume_decision(
+    checkpoint: Checkpoint,
+    *,
+    iso_backend: IsoBackend,
+    fingerprint: bytes,
+    wire_layout: WireLayout,
+    session_contract: bytes,
+) -> ResumeDecision:
+    """Decide whether ``checkpoint`` may seed a session with this backend, HELLO and contract."""
+    fmt = checkpoint.format
+    if fmt is CheckpointFormat.V1:
+        return _refuse("V1 checkpoints never resume: they do not record the iso backend")
+    if checkpoint.iso_backend is not IsoBackend(iso_backend):
+        recorded = checkpoint.iso_backend
+        return _refuse(
+            f"iso backend {iso_backend_name(recorded) if recorded is not None else 'none'} in "
+            f"the checkpoint, {iso_backend_name(iso_backend)} running"
+        )
+    if fmt is CheckpointFormat.V3:
+        if checkpoint.fingerprint != fingerprint:
+            return _refuse("V3 layout fingerprint differs from the accepted HELLO fingerprint")
+    else:
+        grouped = [i for i, f in enumerate(wire_layout.fragments) if len(f.numels) != 1]
+        if grouped:
+            return _refuse(
+                f"V2 records no fingerprint; fragment {grouped[0]} groups "
+                f"{len(wire_layout.fragments[grouped[0]].numels)} tensors, so resume fails closed"
+            )
+        if checkpoint.fingerprint is not None and checkpoint.fingerprint != fingerprint:
+            return _refuse("V2 fingerprint trailer differs from the accepted HELLO fingerprint")
+
+    if checkpoint.num_fragments != len(wire_layout):
+        return _refuse(
+            f"checkpoint has {checkpoint.num_fragments} fragments, the layout {len(wire_layout)}"
+        )
+    for index, (have, want) in enumerate(zip(checkpoint.numels, wire_layout.numels, strict=True)):
+        if have != want:
+            return _refuse(f"fragment {index} has numel {have} in the checkpoint, {want} in HELLO")
+
+    step, count = checkpoint.global_step, checkpoint.num_fragments
+    for index, version in enumerate(checkpoint.versions):
+        expected = scheduled_version(index, step, count)
+        if version != expected:
+            return _refuse(
+                f"fragment {index} is at version {version}; global_step {step} "
+                f"over {count} fragments gives {expected}"
+            )
+
+    if checkpoint.contract is None:
+        if fmt is CheckpointFormat.V3:
+            return _refuse(
+                "the V3 checkpoint carries no session contract, so continuation is unproven"
+            )
+    elif checkpoint.contract != session_contract:
+        return _refuse("session contract differs from the checkpoint's")
+    return ResumeDecision(
+        eligible=True,
+        reason=f"{fmt.name} checkpoint at global_step {step} matches backend, identity, "
+        f"layout, schedule and contract",
+    )
