@@ -1,0 +1,424 @@
+"""Rounds: targets, pipeline, pacing, quorum and grace, deadlines and retries, PUSH rules."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+from sim import Sim, avg_layout
+
+from yeto_proto.constants import WireDtype
+from yeto_proto.dtypes import encode_tensor
+from yeto_proto.errors import ErrorCode
+from yeto_proto.messages import PullReq, PushFragment
+from yeto_sync.config import SyncerConfig
+from yeto_sync.coordinator import LAUNCH_TIMER, Phase
+from yeto_sync.events import CancelTimer, CloseGroup, GroupKey, Log, SetTimer
+
+LAYOUT3 = avg_layout((4,), (3, 2), (5,))
+LAYOUT1 = avg_layout((6,))
+
+
+def pulls(sim: Sim, key: GroupKey) -> list[tuple[int, int, int]]:
+    return [(p.global_step, p.fragment_id, p.round_attempt) for p in sim.sends_to(key, PullReq)]
+
+
+def closed_code(sim: Sim, key: GroupKey) -> str:
+    error = sim.closed[key]
+    assert error is not None
+    return error.text.split(":", 1)[0]
+
+
+# -- targets, pipeline, pacing -------------------------------------------------------------------
+def test_round_t_targets_fragment_t_minus_one_mod_f() -> None:
+    sim = Sim(SyncerConfig(learners=1, total_steps=7, pipeline=1), LAYOUT3)
+    (a,) = sim.start()
+
+    assert sim.run().code == 0
+
+    assert pulls(sim, a.key) == [(t, (t - 1) % 3, 1) for t in range(1, 8)]
+    assert [r["fragment"] for r in sim.merges] == [0, 1, 2, 0, 1, 2, 0]
+    model = sim.coordinator.model
+    assert model is not None and model.versions == (7, 5, 6)
+
+
+@pytest.mark.parametrize(("pipeline", "depth"), [(0, 1), (1, 1), (2, 2), (3, 3), (5, 3)])
+def test_pipeline_depth_is_min_max_pipeline_1_and_f(pipeline: int, depth: int) -> None:
+    sim = Sim(SyncerConfig(learners=1, total_steps=9, pipeline=pipeline), LAYOUT3)
+    (a,) = sim.start(auto=False)
+
+    launched = pulls(sim, a.key)
+
+    assert launched == [(t, t - 1, 1) for t in range(1, depth + 1)]
+    assert len({fragment for _, fragment, _ in launched}) == depth
+
+
+def test_launch_pacing_by_min_round_interval() -> None:
+    config = SyncerConfig(learners=1, total_steps=9, pipeline=3, min_round_interval_ms=500)
+    sim = Sim(config, LAYOUT3)
+    (a,) = sim.start(auto=False)
+    assert pulls(sim, a.key) == [(1, 0, 1)]
+    assert sim.timers[LAUNCH_TIMER] == pytest.approx(0.5)
+
+    sim.advance(0.499)
+    assert len(pulls(sim, a.key)) == 1
+    sim.advance(0.001)
+    assert pulls(sim, a.key)[-1] == (2, 1, 1)
+    sim.advance(0.5)
+    assert pulls(sim, a.key)[-1] == (3, 2, 1)
+    assert LAUNCH_TIMER not in sim.timers  # depth 3 reached: nothing to wait for
+
+
+def test_launch_pacing_by_the_slowest_step_time() -> None:
+    # H = 24, F = 3, ξ_step = 0.1 s (10 steps in 1 s) → interval 0.8 s.
+    sim = Sim(SyncerConfig(learners=2, total_steps=9, pipeline=3), LAYOUT3)
+    a, b = sim.learner(0, auto=False), sim.learner(1, auto=False)
+    a.connect()
+    b.connect()
+    a.heartbeat(0)
+    b.heartbeat(0)
+    sim.advance(1.0)
+    a.heartbeat(10)
+    b.heartbeat(20)  # faster: 0.05 s per step
+    a.init_all([np.zeros(f.numel, np.float32) for f in LAYOUT3.fragments])
+
+    assert pulls(sim, a.key) == [(1, 0, 1)]
+    assert sim.timers[LAUNCH_TIMER] == pytest.approx(1.0 + 0.8)
+
+
+# -- quorum, completion, grace -------------------------------------------------------------------
+def test_k_is_min_of_quorum_and_captured_members() -> None:
+    sim = Sim(SyncerConfig(learners=2, total_steps=3, quorum=5), LAYOUT3)
+    sim.start()
+    sim.run()
+    assert {r["quorum"] for r in sim.merges} == {2}
+
+
+def test_pull_goes_to_each_captured_member() -> None:
+    sim = Sim(SyncerConfig(learners=3, total_steps=3, pipeline=1), LAYOUT3)
+    crew = sim.start(auto=False)
+    for learner in crew:
+        assert pulls(sim, learner.key) == [(1, 0, 1)]
+    members = sim.coordinator.rounds_in_flight[0].members
+    assert members == tuple(learner.key for learner in crew)
+    launched = sim.logs("round launched")[0].fields
+    assert launched["members"] == [{"id": i, "generation": 1} for i in range(3)]
+
+
+def test_quorum_then_full_grace_cap_without_an_estimate() -> None:
+    sim = Sim(SyncerConfig(learners=2, total_steps=3, quorum=1, pipeline=1), LAYOUT3)
+    a, b = sim.start(auto=False)
+    pull = sim.sends_to(a.key, PullReq)[0]
+    sim.advance(0.25)
+
+    sim.message(a.key, a.push_for(pull))
+
+    assert sim.timers["grace:1:1"] == pytest.approx(1.25)
+    sim.advance(0.999)
+    assert not sim.merges
+    sim.advance(0.001)
+    (merge,) = sim.merges
+    assert merge["responded_members"] == [{"id": 0, "generation": 1}]
+    assert merge["missed_members"] == [{"id": 1, "generation": 1}]
+    assert merge["grace_ms"] == 1000.0 and merge["quorum_ms"] == 250.0
+    # A late PUSH from the missed member is out of round, not an error.
+    sim.message(b.key, b.push_for(pull))
+    assert sim.tape[-1]["code"] == ErrorCode.PUSH_OUT_OF_ROUND.value
+
+
+def test_all_captured_answered_completes_at_once() -> None:
+    sim = Sim(SyncerConfig(learners=2, total_steps=3, quorum=1, pipeline=1), LAYOUT3)
+    a, b = sim.start(auto=False)
+    pull = sim.sends_to(a.key, PullReq)[0]
+    sim.message(a.key, a.push_for(pull))
+    assert "grace:1:1" in sim.timers
+
+    actions = sim.message(b.key, b.push_for(pull))
+
+    assert len(sim.merges) == 1
+    assert CancelTimer("grace:1:1") in actions and CancelTimer("quorum:1:1") in actions
+    assert "grace:1:1" not in sim.timers
+
+
+def _estimates(sim: Sim, a: Any, b: Any) -> None:
+    """ξ_step: learner 0 at 0.1 s per step, learner 1 at 0.2 s (the slowest)."""
+    a.heartbeat(0)
+    b.heartbeat(0)
+    sim.advance(2.0)
+    a.heartbeat(20)
+    b.heartbeat(10)
+
+
+@pytest.mark.parametrize(
+    ("answer_after", "expected_grace"),
+    [
+        # γ·(τ·ξ_step − ξ_quorum − ξ_sync) = 0.8·(2·0.2 − 0.05 − 0) = 0.28
+        (0.05, 0.28),
+        # 0.8·(0.4 − 0.3) = 0.08
+        (0.3, 0.08),
+        # τ·ξ_step − ξ_quorum < 0 → no grace: the round completes with K at once
+        (0.5, 0.0),
+    ],
+)
+def test_adaptive_grace(answer_after: float, expected_grace: float) -> None:
+    sim = Sim(SyncerConfig(learners=2, total_steps=3, quorum=1, pipeline=1), LAYOUT3)
+    a, b = sim.learner(0, auto=False), sim.learner(1, auto=False)
+    a.connect()
+    b.connect()
+    _estimates(sim, a, b)
+    a.init_all([np.zeros(f.numel, np.float32) for f in LAYOUT3.fragments])
+    launched_at = sim.now
+    pull = sim.sends_to(a.key, PullReq)[0]
+    sim.advance(answer_after)
+
+    sim.message(a.key, a.push_for(pull, local_step=20))  # no new step sample
+
+    if expected_grace == 0.0:
+        assert len(sim.merges) == 1 and sim.merges[0]["grace_ms"] == 0.0
+        return
+    assert sim.timers["grace:1:1"] == pytest.approx(launched_at + answer_after + expected_grace)
+    sim.advance(expected_grace)
+    assert sim.merges[0]["grace_ms"] == pytest.approx(expected_grace * 1000)
+    assert sim.merges[0]["quorum_ms"] == pytest.approx(answer_after * 1000)
+
+
+def test_grace_subtracts_the_previous_sync_time() -> None:
+    config = SyncerConfig(learners=2, total_steps=4, quorum=1, sync_interval_steps=0)
+    sim = Sim(config, LAYOUT3)  # H = 0: no pacing, pipeline 2
+    a, b = sim.learner(0, auto=False), sim.learner(1, auto=False)
+    a.connect()
+    b.connect()
+    _estimates(sim, a, b)  # ξ_step = 0.2 s
+    a.init_all([np.zeros(f.numel, np.float32) for f in LAYOUT3.fragments])
+    first, second = sim.sends_to(a.key, PullReq)
+    # Round 2 completes at once (all answered) but must wait 0.1 s for round 1 to commit.
+    sim.message(a.key, a.push_for(second, local_step=20))
+    sim.message(b.key, b.push_for(second, local_step=10))
+    sim.advance(0.1)
+    sim.message(a.key, a.push_for(first, local_step=20))
+    sim.message(b.key, b.push_for(first, local_step=10))
+    assert [(m["step"], m["sync_ms"]) for m in sim.merges] == [(1, 0.0), (2, 100.0)]
+    third = sim.sends_to(a.key, PullReq)[2]
+    assert third.global_step == 3
+    sim.advance(0.05)
+
+    sim.message(a.key, a.push_for(third, local_step=20))
+
+    # 0.8·(2·0.2 − 0.05 − 0.1) = 0.2
+    assert sim.timers["grace:3:1"] == pytest.approx(sim.now + 0.2)
+
+
+# -- deadlines and retries -----------------------------------------------------------------------
+def test_quorum_deadline_discards_partials_and_retries_with_current_members() -> None:
+    config = SyncerConfig(learners=2, total_steps=3, quorum=2, pipeline=1, quorum_timeout_s=10)
+    sim = Sim(config, LAYOUT3)
+    a, b = sim.start(auto=False)
+    first_pull = sim.sends_to(a.key, PullReq)[0]
+    sim.message(a.key, a.push_for(first_pull, c_steps=7))
+
+    sim.advance(10.0)
+
+    discarded = [r for r in sim.tape if r.get("event") == "attempt_discarded"]
+    assert discarded == [
+        {
+            "event": "attempt_discarded",
+            "step": 1,
+            "fragment": 0,
+            "attempt": 1,
+            "quorum": 2,
+            "expected_members": [{"id": 0, "generation": 1}, {"id": 1, "generation": 1}],
+            "responded_members": [{"id": 0, "generation": 1}],
+        }
+    ]
+    assert pulls(sim, a.key) == [(1, 0, 1), (1, 0, 2)]
+    assert pulls(sim, b.key) == [(1, 0, 1), (1, 0, 2)]
+    # A delayed response of the discarded attempt cannot enter the retry.
+    sim.message(b.key, b.push_for(first_pull))
+    assert sim.tape[-1]["code"] == ErrorCode.PUSH_WRONG_ATTEMPT.value
+    retry = sim.sends_to(a.key, PullReq)[1]
+    sim.message(a.key, a.push_for(retry, c_steps=3))
+    sim.message(b.key, b.push_for(retry))
+    (merge,) = sim.merges
+    assert merge["attempt"] == 2
+    assert [r["c_steps"] for r in merge["responders"]] == [3, 5]
+
+
+def test_retry_waits_in_one_second_steps_for_k_learners() -> None:
+    config = SyncerConfig(learners=2, total_steps=3, quorum=2, pipeline=1, quorum_timeout_s=5)
+    sim = Sim(config, LAYOUT3)
+    a, b = sim.start(auto=False)
+    b.disconnect()
+
+    sim.advance(5.0)
+    assert sim.timers["retry:1"] == pytest.approx(6.0)
+    round_one = sim.coordinator.rounds_in_flight[0]
+    assert round_one.phase is Phase.WAITING
+    sim.advance(1.0)
+    assert sim.timers["retry:1"] == pytest.approx(7.0)
+    # A PUSH while no attempt runs is a wrong attempt.
+    sim.message(a.key, a.push_for(sim.sends_to(a.key, PullReq)[0]))
+    assert sim.tape[-1]["code"] == ErrorCode.PUSH_WRONG_ATTEMPT.value
+
+    fresh = b.connect()
+    assert pulls(sim, fresh) == []  # the retry waits for its timer
+    sim.advance(1.0)
+
+    assert pulls(sim, fresh) == [(1, 0, 2)]
+    assert pulls(sim, a.key) == [(1, 0, 1), (1, 0, 2)]
+    assert round_one.members == (a.key, fresh) and round_one.quorum == 2
+
+
+def test_a_launch_waits_for_a_connected_member() -> None:
+    sim = Sim(SyncerConfig(learners=2, total_steps=3, quorum=1, pipeline=1), LAYOUT3)
+    a, b = sim.start(auto=False)
+    sim.message(a.key, a.push_for(sim.sends_to(a.key, PullReq)[0]))
+    a.disconnect()
+    b.disconnect()
+
+    sim.advance(1.0)  # grace passes: round 1 commits, round 2 has nobody to capture
+
+    assert len(sim.merges) == 1 and not sim.coordinator.rounds_in_flight
+    fresh = b.connect()
+    assert pulls(sim, fresh) == [(2, 1, 1)]
+
+
+# -- PUSH acceptance -----------------------------------------------------------------------------
+def _round_two(**config: Any) -> tuple[Sim, Any, Any, PullReq]:
+    """F = 1: round 1 committed (version 1), round 2 gathering from both learners."""
+    sim = Sim(SyncerConfig(learners=2, total_steps=3, quorum=2, pipeline=1, **config), LAYOUT1)
+    a, b = sim.start(auto=False)
+    pull = sim.sends_to(a.key, PullReq)[0]
+    sim.message(a.key, a.push_for(pull))
+    sim.message(b.key, b.push_for(pull))
+    assert len(sim.merges) == 1
+    return sim, a, b, sim.sends_to(a.key, PullReq)[1]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "config", "code"),
+    [
+        ({"base_version": 2}, {}, ErrorCode.PUSH_FUTURE_BASE),
+        ({"global_step": 5}, {}, ErrorCode.PUSH_OUT_OF_ROUND),
+        ({"global_step": 1}, {}, ErrorCode.PUSH_OUT_OF_ROUND),
+        ({"fragment_id": 1}, {}, ErrorCode.PUSH_OUT_OF_ROUND),
+        ({"round_attempt": 2}, {}, ErrorCode.PUSH_WRONG_ATTEMPT),
+        ({"round_attempt": 0}, {}, ErrorCode.PUSH_WRONG_ATTEMPT),
+        ({"base_version": 0}, {"max_base_lag": 0}, ErrorCode.PUSH_TOO_STALE),
+        ({"base_version": 0}, {"max_base_lag": 1}, None),
+        ({"base_version": 0}, {}, None),
+        ({"base_version": 1}, {"max_base_lag": 0}, None),
+    ],
+)
+def test_push_rejections_are_taped_without_disconnecting(
+    overrides: dict[str, Any], config: dict[str, Any], code: ErrorCode | None
+) -> None:
+    sim, a, _, pull = _round_two(**config)
+    push = a.push_for(pull, **overrides)
+
+    actions = sim.message(a.key, push)
+
+    assert not sim.of_type(CloseGroup)
+    target = sim.coordinator.rounds_in_flight[0]
+    if code is None:
+        assert target.answered == 1
+        assert target.accepted[a.key].staleness == 1 - push.base_version
+        return
+    record = sim.tape[-1]
+    assert record["event"] == "push_rejected" and record["code"] == code.value
+    assert (record["id"], record["generation"], record["step"]) == (0, 1, push.global_step)
+    assert target.answered == 0
+    assert any(isinstance(x, Log) and x.fields.get("code") == code.value for x in actions)
+
+
+def test_duplicate_push_is_rejected_and_the_first_wins() -> None:
+    sim, a, b, pull = _round_two()
+    sim.message(a.key, a.push_for(pull, c_steps=9))
+
+    sim.message(a.key, a.push_for(pull, c_steps=2))
+
+    assert sim.tape[-1]["code"] == ErrorCode.PUSH_DUPLICATE.value
+    sim.message(b.key, b.push_for(pull))
+    assert [r["c_steps"] for r in sim.merges[-1]["responders"]] == [9, 5]
+
+
+def test_staleness_is_reported_per_responder() -> None:
+    sim, a, b, pull = _round_two()
+    sim.message(a.key, a.push_for(pull, base_version=0))
+    sim.message(b.key, b.push_for(pull, base_version=1))
+    responders = sim.merges[-1]["responders"]
+    assert [(r["base_version"], r["staleness"]) for r in responders] == [(0, 1), (1, 0)]
+    assert sim.merges[-1]["launch_base_version"] == 1
+
+
+def test_a_disconnect_never_erases_an_accepted_response() -> None:
+    sim, a, b, pull = _round_two()
+    sim.message(b.key, b.push_for(pull))
+    b.disconnect()
+
+    sim.message(a.key, a.push_for(pull))
+
+    merge = sim.merges[-1]
+    assert [r["id"] for r in merge["responders"]] == [0, 1]
+    assert merge["missed_members"] == []
+
+
+def _unchecked_push(template: PushFragment, **fields: Any) -> PushFragment:
+    """A PUSH the constructor would refuse (the decoder refuses it too, first)."""
+    push = object.__new__(PushFragment)
+    for field in dataclasses.fields(PushFragment):
+        object.__setattr__(push, field.name, fields.get(field.name, getattr(template, field.name)))
+    return push
+
+
+def _q4_with_scale(scale: float, numel: int) -> memoryview:
+    data = bytearray(encode_tensor(np.ones(numel, np.float32), WireDtype.Q4, push=True).tobytes())
+    data[:4] = np.float32(scale).tobytes()
+    return memoryview(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "make", "code"),
+    [
+        (WireDtype.F32, lambda p: {"learner_id": 1}, ErrorCode.LEARNER_ID_MISMATCH),
+        (WireDtype.F32, lambda p: {"c_steps": 0}, ErrorCode.ZERO_C_STEPS),
+        (
+            WireDtype.F32,
+            lambda p: {"data": np.array([0, 1, np.nan, 0, 0, 0], "<f4").view(np.uint8).data},
+            ErrorCode.NON_FINITE_VALUE,
+        ),
+        (
+            WireDtype.BF16,
+            lambda p: {"data": np.array([0, 0x7F80, 0, 0, 0, 0], "<u2").view(np.uint8).data},
+            ErrorCode.NON_FINITE_VALUE,
+        ),
+        (WireDtype.Q4, lambda p: {"data": _q4_with_scale(np.nan, 6)}, ErrorCode.BAD_Q4_SCALE),
+        (WireDtype.Q4, lambda p: {"data": _q4_with_scale(-1.0, 6)}, ErrorCode.BAD_Q4_SCALE),
+        (WireDtype.Q4, lambda p: {"data": _q4_with_scale(np.inf, 6)}, ErrorCode.BAD_Q4_SCALE),
+    ],
+)
+def test_fatal_push_errors_close_only_that_group(
+    dtype: WireDtype, make: Any, code: ErrorCode
+) -> None:
+    config = SyncerConfig(learners=2, total_steps=3, quorum=2, pipeline=1)
+    sim = Sim(config, LAYOUT1, dtype=dtype)
+    a, b = sim.start(auto=False)
+    pull = sim.sends_to(a.key, PullReq)[0]
+    template = a.push_for(pull)
+
+    sim.message(a.key, _unchecked_push(template, **make(template)))
+
+    assert closed_code(sim, a.key) == code.value
+    assert not sim.coordinator.registry.is_open(a.key)
+    assert sim.coordinator.rounds_in_flight[0].answered == 0
+    assert b.key not in sim.closed
+    sim.message(b.key, b.push_for(pull))
+    assert sim.coordinator.rounds_in_flight[0].answered == 1
+
+
+def test_set_timer_keys_name_round_and_attempt() -> None:
+    sim = Sim(SyncerConfig(learners=1, total_steps=3, pipeline=2, quorum_timeout_s=30), LAYOUT3)
+    sim.start(auto=False)
+    quorum_timers = {a.key: a.at for a in sim.of_type(SetTimer) if a.key.startswith("quorum")}
+    assert quorum_timers == {"quorum:1:1": 30.0, "quorum:2:1": 30.0}

@@ -1,0 +1,159 @@
+"""The syncer's parsed configuration: one frozen value for every ``yeto-sync`` flag.
+
+Defaults are the ones PINNED.md § Daemon fixes. The CLI parses flags into a :class:`SyncerConfig`;
+the coordinator reads it and never anything else. :meth:`SyncerConfig.profile` derives the
+semantic profile that a profile-bound HELLO must match: listener address and concrete output
+paths do not change semantics and are left out of it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from yeto_proto.constants import IsoBackend
+from yeto_proto.identity import DeltaCorrection, LearnerWeight, SyncerProfile
+
+DEFAULT_PORT = 29400
+DEFAULT_HOST = "127.0.0.1"
+_U32_MAX = (1 << 32) - 1
+_U64_MAX = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SyncerConfig:
+    learners: int
+    total_steps: int
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    quorum: int = 1
+    grace_ms: int = 1000
+    grace_gamma: float = 0.8
+    grace_tau: float = 2.0
+    pipeline: int = 2
+    min_round_interval_ms: int = 0
+    sync_interval_steps: float = 24.0
+    delta_correction: DeltaCorrection = DeltaCorrection.HELOCO
+    quorum_timeout_s: int = 900
+    #: ``None`` means "the quorum timeout" (the pinned default); see :attr:`final_ack_timeout`.
+    final_ack_timeout_s: int | None = None
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    iso_backend: IsoBackend = IsoBackend.SCALAR
+    iso_worker_queue_capacity: int = 16
+    final_state: Path | None = None
+    checkpoint_path: Path | None = None
+    checkpoint_every: int = 8
+    resume: bool = False
+    mark_final_checkpoint: bool = False
+    learner_budget_steps: int | None = None
+    event_tape: Path | None = None
+    max_base_lag: int | None = None
+    learner_weight: LearnerWeight = LearnerWeight.TOKENS2_OVER_STEPS
+    require_profile_binding: bool = False
+    print_profile_hash: bool = False
+    hello_hmac_key_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "delta_correction", DeltaCorrection(self.delta_correction))
+        object.__setattr__(self, "learner_weight", LearnerWeight(self.learner_weight))
+        object.__setattr__(self, "iso_backend", IsoBackend(self.iso_backend))
+        _require(1 <= self.learners <= _U32_MAX, f"--learners must be >= 1, got {self.learners}")
+        _require(
+            0 <= self.total_steps <= _U64_MAX, f"--total-steps must be >= 0, got {self.total_steps}"
+        )
+        _require(1 <= self.quorum <= _U32_MAX, f"--quorum must be >= 1, got {self.quorum}")
+        _require(0 <= self.pipeline <= _U32_MAX, f"--pipeline must be >= 0, got {self.pipeline}")
+        _require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
+        for name in ("grace_ms", "min_round_interval_ms", "quorum_timeout_s"):
+            value = getattr(self, name)
+            _require(0 <= value <= _U64_MAX, f"--{_flag(name)} must be >= 0, got {value}")
+        if self.final_ack_timeout_s is not None:
+            _require(
+                0 <= self.final_ack_timeout_s <= _U64_MAX,
+                f"--final-ack-timeout-s must be >= 0, got {self.final_ack_timeout_s}",
+            )
+        for name in (
+            "grace_gamma",
+            "grace_tau",
+            "sync_interval_steps",
+            "outer_lr",
+            "outer_momentum",
+        ):
+            value = getattr(self, name)
+            _require(math.isfinite(value), f"--{_flag(name)} must be finite, got {value}")
+        for name in ("grace_gamma", "grace_tau", "sync_interval_steps"):
+            value = getattr(self, name)
+            _require(value >= 0, f"--{_flag(name)} must be >= 0, got {value}")
+        _require(
+            1 <= self.checkpoint_every <= _U64_MAX,
+            f"--checkpoint-every must be >= 1, got {self.checkpoint_every}",
+        )
+        _require(
+            self.iso_worker_queue_capacity >= 1,
+            f"--iso-worker-queue-capacity must be >= 1, got {self.iso_worker_queue_capacity}",
+        )
+        if self.learner_budget_steps is not None:
+            _require(
+                1 <= self.learner_budget_steps <= _U64_MAX,
+                f"--learner-budget-steps must be positive, got {self.learner_budget_steps}",
+            )
+        if self.max_base_lag is not None:
+            _require(
+                0 <= self.max_base_lag <= _U64_MAX,
+                f"--max-base-lag must be >= 0, got {self.max_base_lag}",
+            )
+
+    # -- derived values --------------------------------------------------------------------
+    @property
+    def final_ack_timeout(self) -> int:
+        """Seconds to wait for every FINAL_ACK (defaults to the quorum timeout)."""
+        if self.final_ack_timeout_s is None:
+            return self.quorum_timeout_s
+        return self.final_ack_timeout_s
+
+    @property
+    def checkpoint_enabled(self) -> bool:
+        return self.checkpoint_path is not None
+
+    @property
+    def pipeline_depth_limit(self) -> int:
+        """``max(--pipeline, 1)``; the coordinator also caps it at the fragment count."""
+        return max(self.pipeline, 1)
+
+    def profile(self) -> SyncerProfile:
+        """The semantic profile a profile-bound HELLO must carry the digest of."""
+        return SyncerProfile(
+            learners=self.learners,
+            total_steps=self.total_steps,
+            quorum=self.quorum,
+            grace_ms=self.grace_ms,
+            grace_gamma=self.grace_gamma,
+            grace_tau=self.grace_tau,
+            pipeline=self.pipeline,
+            min_round_interval_ms=self.min_round_interval_ms,
+            sync_interval_steps=self.sync_interval_steps,
+            delta_correction=self.delta_correction,
+            quorum_timeout_s=self.quorum_timeout_s,
+            final_ack_timeout_s=self.final_ack_timeout,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
+            checkpoint_enabled=self.checkpoint_enabled,
+            checkpoint_every=self.checkpoint_every,
+            resume=self.resume,
+            mark_final_checkpoint=self.mark_final_checkpoint,
+            learner_budget_steps=self.learner_budget_steps,
+            max_base_lag=self.max_base_lag,
+            learner_weight=self.learner_weight,
+            require_profile_binding=self.require_profile_binding,
+        )
+
+
+def _flag(field_name: str) -> str:
+    return field_name.replace("_", "-")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

@@ -1,0 +1,136 @@
+"""HELLO admission: the checks left to the coordinator after the decoder, and session fixation.
+
+The decoder already checked version, structure, generation ≠ 0, dtype and (when it was given
+M) the learner id. What remains needs configuration or session state, in this order:
+
+1. ``learner_id < M`` (again: a decoder built without M cannot know);
+2. profile binding: ``--require-profile-binding`` refuses an omitted hash; a present hash must
+   equal the digest of this syncer's own profile;
+3. session fixation: dtype, layout, fingerprint, contract and profile binding must equal the
+   first accepted HELLO's, byte for byte;
+4. a ``(learner_id, generation)`` admitted before is refused.
+
+A refusal affects only the connection that sent the HELLO.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from yeto_proto.constants import WireDtype
+from yeto_proto.errors import ErrorCode
+from yeto_proto.layout import WireLayout
+from yeto_proto.messages import ErrorMessage, Hello
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a peer's message is not accepted, with its stable code."""
+
+    code: ErrorCode
+    detail: str
+
+    @property
+    def text(self) -> str:
+        return f"{self.code.value}: {self.detail}"
+
+    def error(self) -> ErrorMessage:
+        return ErrorMessage(self.text)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionIdentity:
+    """What the first accepted HELLO fixes for the whole session."""
+
+    dtype: WireDtype
+    layout: WireLayout
+    fingerprint: bytes
+    contract: bytes
+    profile_hash: bytes | None
+
+    @classmethod
+    def of(cls, hello: Hello) -> SessionIdentity:
+        return cls(
+            dtype=WireDtype(hello.dtype),
+            layout=hello.layout,
+            fingerprint=bytes(hello.layout_fingerprint),
+            contract=bytes(hello.session_contract),
+            profile_hash=None if hello.profile_hash is None else bytes(hello.profile_hash),
+        )
+
+    def mismatch(self, hello: Hello) -> Refusal | None:
+        """The first field of ``hello`` that differs from this session, if any."""
+        if WireDtype(hello.dtype) is not self.dtype:
+            return Refusal(
+                ErrorCode.SESSION_DTYPE_MISMATCH,
+                f"session dtype is {self.dtype.name.lower()}, HELLO has "
+                f"{WireDtype(hello.dtype).name.lower()}",
+            )
+        if hello.layout != self.layout:
+            return Refusal(
+                ErrorCode.SESSION_LAYOUT_MISMATCH, "HELLO fragment layout differs from the session"
+            )
+        if bytes(hello.layout_fingerprint) != self.fingerprint:
+            return Refusal(
+                ErrorCode.SESSION_FINGERPRINT_MISMATCH,
+                "HELLO layout fingerprint differs from the session",
+            )
+        if bytes(hello.session_contract) != self.contract:
+            return Refusal(
+                ErrorCode.SESSION_CONTRACT_MISMATCH,
+                "HELLO session contract differs from the session",
+            )
+        theirs = None if hello.profile_hash is None else bytes(hello.profile_hash)
+        if theirs != self.profile_hash:
+            bound = "carries" if self.profile_hash is not None else "omits"
+            return Refusal(
+                ErrorCode.SESSION_PROFILE_MISMATCH,
+                f"the session {bound} a syncer profile hash; this HELLO does not match it",
+            )
+        return None
+
+
+class Admission:
+    """Decides on each HELLO; remembers the session identity once the first one is accepted."""
+
+    def __init__(self, *, learners: int, profile_digest: bytes, require_profile_binding: bool):
+        self._learners = learners
+        self._profile_digest = profile_digest
+        self._require_binding = require_profile_binding
+        self.session: SessionIdentity | None = None
+
+    def check(self, hello: Hello, *, generation_seen: bool) -> Refusal | None:
+        """The first reason to refuse ``hello``, or ``None`` to admit it."""
+        if hello.learner_id >= self._learners:
+            return Refusal(
+                ErrorCode.LEARNER_ID_OUT_OF_RANGE,
+                f"learner_id {hello.learner_id} outside 0..{self._learners - 1}",
+            )
+        if hello.profile_hash is None:
+            if self._require_binding:
+                return Refusal(
+                    ErrorCode.PROFILE_BINDING_REQUIRED,
+                    "this syncer requires a syncer profile hash in HELLO",
+                )
+        elif bytes(hello.profile_hash) != self._profile_digest:
+            return Refusal(
+                ErrorCode.SESSION_PROFILE_MISMATCH,
+                f"HELLO profile hash {bytes(hello.profile_hash).hex()} differs from this "
+                f"syncer's {self._profile_digest.hex()}",
+            )
+        if self.session is not None:
+            mismatch = self.session.mismatch(hello)
+            if mismatch is not None:
+                return mismatch
+        if generation_seen:
+            return Refusal(
+                ErrorCode.DUPLICATE_GENERATION,
+                f"learner {hello.learner_id} generation {hello.generation} was already admitted",
+            )
+        return None
+
+    def fix(self, hello: Hello) -> SessionIdentity:
+        """Fix the session from the first accepted HELLO (idempotent afterwards)."""
+        if self.session is None:
+            self.session = SessionIdentity.of(hello)
+        return self.session

@@ -1,0 +1,809 @@
+"""The coordinator: one sequential actor, events and ``now`` in, actions out.
+
+It reads no clock, socket, thread, random source or file. A transport feeds it
+:mod:`yeto_sync.events` events with the current monotonic time and carries out the returned
+actions in order before feeding the next event. Timers are asked for with ``SetTimer(key, at)``
+(a later ``SetTimer`` with the same key replaces it) and come back as ``TimerFired(key)``;
+a timer that fires after its purpose passed is ignored.
+
+The pieces: :mod:`.admission` (HELLO checks, session fixation), :mod:`.registry` (groups and
+generations), :mod:`.schedule` (fragment targets, pipeline, pacing, grace), :mod:`.rounds`
+(members, quorum, push acceptance), :mod:`.state` (the global model), :mod:`.finalize`
+(terminal delivery), :mod:`.tape` (event-tape lines).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from yeto_proto.checkpoint import Checkpoint, resume_decision
+from yeto_proto.constants import IsoBackend
+from yeto_proto.errors import ErrorCode, ProtocolError
+from yeto_proto.limits import Limits
+from yeto_proto.messages import (
+    AnyMessage,
+    BcastFragment,
+    BudgetDone,
+    ErrorMessage,
+    FinalAck,
+    Heartbeat,
+    Hello,
+    InitParams,
+    PullReq,
+    PushFragment,
+)
+
+from ..config import SyncerConfig
+from ..events import (
+    Action,
+    AdmitGroup,
+    AppendTape,
+    CancelTimer,
+    CloseGroup,
+    ConnId,
+    Event,
+    Exit,
+    GroupClosed,
+    GroupKey,
+    GroupReady,
+    HelloReceived,
+    Log,
+    MessageReceived,
+    RefuseConnection,
+    Send,
+    SetTimer,
+    TimerFired,
+    WriteCheckpoint,
+    WriteFinalMarker,
+    WriteFinalState,
+)
+from ..merge import SCALAR_ISO_SOLVER, IsoSolver, MergeConfig, MergeError, Response, merge_round
+from . import tape
+from .admission import Admission, Refusal, SessionIdentity
+from .finalize import Finalization
+from .registry import Registry
+from .rounds import Accepted, Phase, Rejection, Round
+from .schedule import (
+    RETRY_DELAY_S,
+    StepTimes,
+    grace_window,
+    launch_interval,
+    pipeline_depth,
+    target_fragment,
+)
+from .state import GlobalModel
+from .tensors import bcast_message, decode_init, decode_outer_gradient, final_fragment_message
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+
+LAUNCH_TIMER = "launch"
+FINAL_ACK_TIMER = "final-ack"
+
+
+def _round_timer(kind: str, step: int, attempt: int | None = None) -> str:
+    return f"{kind}:{step}" if attempt is None else f"{kind}:{step}:{attempt}"
+
+
+def _member_fields(key: GroupKey) -> dict[str, int]:
+    return {"learner_id": key.learner_id, "generation": key.generation}
+
+
+class Coordinator:
+    """The syncer's state machine. Call :meth:`handle` for every event, in order."""
+
+    def __init__(
+        self,
+        config: SyncerConfig,
+        *,
+        checkpoint: Checkpoint | None = None,
+        iso_solver: IsoSolver | None = None,
+    ) -> None:
+        if iso_solver is None:
+            if config.iso_backend is not IsoBackend.SCALAR:
+                raise ValueError(f"iso backend {config.iso_backend.name} needs an injected solver")
+            iso_solver = SCALAR_ISO_SOLVER
+        if iso_solver.backend is not config.iso_backend:
+            raise ValueError(
+                f"iso solver backend {iso_solver.backend.name} differs from the configured "
+                f"{config.iso_backend.name}"
+            )
+        self.config = config
+        self._solver = iso_solver
+        self._merge_config = MergeConfig(
+            learner_weight=config.learner_weight,
+            delta_correction=config.delta_correction,
+            outer_lr=config.outer_lr,
+            outer_momentum=config.outer_momentum,
+        )
+        self._admission = Admission(
+            learners=config.learners,
+            profile_digest=config.profile().digest(),
+            require_profile_binding=config.require_profile_binding,
+        )
+        self._registry = Registry()
+        self._step_times = StepTimes()
+        self._checkpoint = checkpoint
+        self._model: GlobalModel | None = None
+        self._limits: Limits | None = None
+        #: The initial broadcast went out and rounds may launch.
+        self._started = False
+        self._next_step = 1
+        #: Launched, not yet committed rounds, in ascending t.
+        self._rounds: dict[int, Round] = {}
+        self._last_launch_at: float | None = None
+        #: ξ_sync: the previous commit's time from completion to commit.
+        self._last_sync_s = 0.0
+        self._bcasts: dict[int, BcastFragment] = {}
+        self._final: Finalization | None = None
+        self._exit: Exit | None = None
+
+    # -- read-only views (tests, transport, CLI) -------------------------------------------
+    @property
+    def exit(self) -> Exit | None:
+        return self._exit
+
+    @property
+    def session(self) -> SessionIdentity | None:
+        return self._admission.session
+
+    @property
+    def model(self) -> GlobalModel | None:
+        return self._model
+
+    @property
+    def global_step(self) -> int:
+        return 0 if self._model is None else self._model.global_step
+
+    @property
+    def rounds_in_flight(self) -> tuple[Round, ...]:
+        return tuple(self._rounds.values())
+
+    @property
+    def finalization(self) -> Finalization | None:
+        return self._final
+
+    @property
+    def registry(self) -> Registry:
+        return self._registry
+
+    @property
+    def step_times(self) -> StepTimes:
+        return self._step_times
+
+    # -- the one entry point ---------------------------------------------------------------
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Apply one event at time ``now``; return the actions to carry out, in order."""
+        out: list[Action] = []
+        if self._exit is not None:
+            return out
+        match event:
+            case HelloReceived(conn=conn, hello=hello):
+                self._on_hello(conn, hello, out)
+            case GroupReady(group=group):
+                self._on_group_ready(group, now, out)
+            case MessageReceived(group=group, message=message):
+                self._on_message(group, message, now, out)
+            case GroupClosed(group=group, reason=reason):
+                self._on_group_closed(group, reason, out)
+            case TimerFired(key=key):
+                self._on_timer(key, now, out)
+        return out
+
+    # -- admission -------------------------------------------------------------------------
+    def _on_hello(self, conn: ConnId, hello: Hello, out: list[Action]) -> None:
+        key = GroupKey(hello.learner_id, hello.generation)
+        refusal = self._admission.check(hello, generation_seen=self._registry.was_admitted(key))
+        if refusal is not None:
+            out.append(RefuseConnection(conn, refusal.error()))
+            out.append(
+                Log(
+                    "warning",
+                    "HELLO refused",
+                    {"conn": conn, **_member_fields(key), **_why(refusal)},
+                )
+            )
+            return
+        if self._admission.session is None and not self._open_session(conn, hello, out):
+            return
+        assert self._limits is not None
+        self._registry.admit(key, conn, hello.num_streams)
+        out.append(AdmitGroup(conn, key, hello.num_streams, self._limits))
+        out.append(
+            Log(
+                "info",
+                "group admitted",
+                {"conn": conn, **_member_fields(key), "num_streams": hello.num_streams},
+            )
+        )
+
+    def _open_session(self, conn: ConnId, hello: Hello, out: list[Action]) -> bool:
+        """First accepted HELLO: check resume eligibility, then fix the session."""
+        checkpoint = self._checkpoint
+        if checkpoint is not None:
+            decision = resume_decision(
+                checkpoint,
+                iso_backend=self._solver.backend,
+                fingerprint=bytes(hello.layout_fingerprint),
+                wire_layout=hello.layout,
+                session_contract=bytes(hello.session_contract),
+            )
+            if not decision.eligible:
+                refusal = Refusal(
+                    ErrorCode.CKPT_RESUME_INELIGIBLE,
+                    f"the syncer's checkpoint cannot resume this session: {decision.reason}",
+                )
+                out.append(RefuseConnection(conn, refusal.error()))
+                self._fail(f"resume refused: {decision.reason}", out)
+                return False
+        session = self._admission.fix(hello)
+        self._limits = Limits.of(session.dtype, session.layout)
+        model = GlobalModel(session.layout)
+        if checkpoint is not None:
+            model.install(checkpoint)
+            self._checkpoint = None  # installed; the model owns the arrays now
+        self._model = model
+        self._next_step = model.global_step + 1
+        out.append(
+            Log(
+                "info",
+                "session fixed",
+                {
+                    "dtype": session.dtype.name.lower(),
+                    "fragments": model.num_fragments,
+                    "fingerprint": session.fingerprint.hex(),
+                    "profile_bound": session.profile_hash is not None,
+                    "resumed_global_step": model.global_step if checkpoint is not None else None,
+                },
+            )
+        )
+        return True
+
+    def _on_group_ready(self, key: GroupKey, now: float, out: list[Action]) -> None:
+        group = self._registry.get(key)
+        if group is None or group.ready:
+            return
+        superseded = self._registry.mark_ready(key)
+        fields: dict[str, Any] = {**_member_fields(key), "current": self._registry.is_current(key)}
+        if superseded is not None:
+            fields["superseded_generation"] = superseded.generation
+        out.append(Log("info", "group ready", fields))
+        model = self._require_model()
+        for fragment, slot in enumerate(model.fragments):
+            if slot.initialized:
+                self._broadcast(fragment, (key,), out)
+        if self._final is not None and self._final.wants_cut(key):
+            out.extend(self._final.queue(key))
+            out.append(Log("info", "final cut queued", _member_fields(key)))
+        self._advance(now, out)
+
+    def _on_group_closed(self, key: GroupKey, reason: str, out: list[Action]) -> None:
+        if self._registry.get(key) is None:
+            return
+        was_current = self._registry.remove(key)
+        out.append(
+            Log(
+                "info",
+                "group closed",
+                {**_member_fields(key), "was_current": was_current, "reason": reason},
+            )
+        )
+
+    # -- messages --------------------------------------------------------------------------
+    def _on_message(
+        self, key: GroupKey, message: AnyMessage, now: float, out: list[Action]
+    ) -> None:
+        if self._registry.get(key) is None:
+            return  # already closed by us; its last frames do not matter
+        match message:
+            case PushFragment():
+                self._on_push(key, message, now, out)
+            case Heartbeat():
+                self._on_heartbeat(key, message, now, out)
+            case InitParams():
+                self._on_init(key, message, now, out)
+            case FinalAck():
+                self._on_final_ack(key, message, out)
+            case BudgetDone():
+                self._on_budget_done(key, message, now, out)
+            case _:
+                self._close_group(
+                    key,
+                    Refusal(
+                        ErrorCode.WRONG_DIRECTION, f"a learner may not send {message.TYPE.name}"
+                    ),
+                    out,
+                )
+
+    def _on_init(self, key: GroupKey, init: InitParams, now: float, out: list[Action]) -> None:
+        if key.learner_id != 0:
+            self._close_group(
+                key,
+                Refusal(ErrorCode.INIT_NOT_ALLOWED, f"learner {key.learner_id} may not INIT"),
+                out,
+            )
+            return
+        model, session = self._require_model(), self._require_session()
+        if init.fragment_id >= model.num_fragments:
+            self._close_group(
+                key, Refusal(ErrorCode.BAD_FRAGMENT_ID, f"INIT fragment {init.fragment_id}"), out
+            )
+            return
+        slot = model.fragments[init.fragment_id]
+        if slot.initialized:
+            out.append(
+                Log(
+                    "info",
+                    "INIT ignored: fragment already initialized",
+                    {"fragment": init.fragment_id, "version": slot.version},
+                )
+            )
+            return
+        try:
+            params = decode_init(init.data, session.dtype, slot.geometry.numel)
+        except ProtocolError as exc:
+            self._close_group(
+                key, Refusal(exc.code, f"INIT fragment {init.fragment_id}: {exc.detail}"), out
+            )
+            return
+        model.initialize(init.fragment_id, params)
+        out.append(Log("info", "fragment initialized", {"fragment": init.fragment_id}))
+        self._advance(now, out)
+
+    def _on_heartbeat(self, key: GroupKey, beat: Heartbeat, now: float, out: list[Action]) -> None:
+        if beat.learner_id != key.learner_id:
+            self._close_group(key, _id_mismatch("HEARTBEAT", beat.learner_id, key), out)
+            return
+        if self._registry.is_current(key):
+            self._step_times.observe(key.learner_id, beat.local_step, now)
+
+    def _on_push(self, key: GroupKey, push: PushFragment, now: float, out: list[Action]) -> None:
+        if push.learner_id != key.learner_id:
+            self._close_group(key, _id_mismatch("PUSH", push.learner_id, key), out)
+            return
+        if push.c_steps == 0:
+            self._close_group(key, Refusal(ErrorCode.ZERO_C_STEPS, "PUSH with c_steps 0"), out)
+            return
+        if self._registry.is_current(key):
+            self._step_times.observe(key.learner_id, push.local_step, now)
+        target = self._rounds.get(push.global_step)
+        rejection = (
+            Rejection(ErrorCode.PUSH_OUT_OF_ROUND, f"no round {push.global_step} is in flight")
+            if target is None
+            else target.judge(push, key, self.config.max_base_lag)
+        )
+        if rejection is not None:
+            out.append(AppendTape(tape.rejection_record(push, key, rejection)))
+            out.append(
+                Log(
+                    "info",
+                    "PUSH rejected",
+                    {
+                        **_member_fields(key),
+                        "step": push.global_step,
+                        "attempt": push.round_attempt,
+                        "code": rejection.code.value,
+                        "reason": rejection.detail,
+                    },
+                )
+            )
+            return
+        assert target is not None
+        model, session = self._require_model(), self._require_session()
+        try:
+            grad = decode_outer_gradient(
+                push.data, session.dtype, model.fragments[target.fragment].geometry.numel
+            )
+        except ProtocolError as exc:
+            self._close_group(
+                key, Refusal(exc.code, f"PUSH for round {push.global_step}: {exc.detail}"), out
+            )
+            return
+        response = Response(key.learner_id, key.generation, push.c_steps, push.c_tokens, grad)
+        staleness = target.launch_version - push.base_version
+        target.accept(Accepted(response, push.base_version, staleness, now), key)
+        out.append(
+            Log(
+                "debug",
+                "PUSH accepted",
+                {
+                    **_member_fields(key),
+                    "step": target.step,
+                    "attempt": target.attempt,
+                    "staleness": staleness,
+                    "answered": target.answered,
+                    "members": len(target.members),
+                },
+            )
+        )
+        if target.all_answered:
+            self._complete(target, now, out)
+        elif target.has_quorum and target.grace_s is None:
+            self._open_grace(target, now, out)
+            if target.phase is not Phase.COMPLETE:
+                return
+        else:
+            return
+        self._advance(now, out)
+
+    def _on_final_ack(self, key: GroupKey, ack: FinalAck, out: list[Action]) -> None:
+        final = self._final
+        if final is None:
+            early = Refusal(ErrorCode.UNEXPECTED_FINAL_ACK, "FINAL_ACK before the final cut")
+            self._close_group(key, early, out)
+            return
+        refusal = final.judge_ack(key, ack)
+        if refusal is not None:
+            self._close_group(key, refusal, out)
+            return
+        if not final.accept(key):
+            out.append(Log("info", "FINAL_ACK repeated; first one stands", _member_fields(key)))
+            return
+        out.append(
+            Log(
+                "info",
+                "FINAL_ACK accepted",
+                {**_member_fields(key), "pending": sorted(final.pending)},
+            )
+        )
+        if final.complete:
+            out.extend(final.shutdown_sends(self._registry.is_open))
+            out.append(CancelTimer(FINAL_ACK_TIMER))
+            self._finish(EXIT_OK, f"finalized at global step {final.final_step}", out)
+
+    def _on_budget_done(
+        self, key: GroupKey, report: BudgetDone, now: float, out: list[Action]
+    ) -> None:
+        if self.config.learner_budget_steps is None:
+            refusal = Refusal(
+                ErrorCode.BUDGET_NOT_CONFIGURED,
+                "BUDGET_DONE needs --learner-budget-steps on the syncer",
+            )
+            self._close_group(key, refusal, out)
+            return
+        self._on_budget_cutoff(key, report, now, out)
+
+    def _on_budget_cutoff(
+        self, key: GroupKey, report: BudgetDone, now: float, out: list[Action]
+    ) -> None:
+        """Extension point for the benchmark cutoff (a later issue): first report closes
+        issuance, in-flight rounds are cancelled whole, one report per learner, then an
+        unmarked recovery checkpoint and exit 0. Until then a configured budget is refused."""
+        del report, now
+        refusal = Refusal(ErrorCode.SYNCER_ERROR, "the BUDGET_DONE cutoff is not implemented yet")
+        self._close_group(key, refusal, out)
+
+    # -- timers ----------------------------------------------------------------------------
+    def _on_timer(self, key: str, now: float, out: list[Action]) -> None:
+        kind, _, rest = key.partition(":")
+        if kind == LAUNCH_TIMER:
+            self._advance(now, out)
+            return
+        if kind == FINAL_ACK_TIMER:
+            self._on_final_deadline(out)
+            return
+        parts = rest.split(":")
+        try:
+            numbers = [int(p) for p in parts]
+        except ValueError:
+            return
+        target = self._rounds.get(numbers[0])
+        if target is None:
+            return
+        if kind == "retry" and len(numbers) == 1 and target.phase is Phase.WAITING:
+            self._retry(target, now, out)
+        elif len(numbers) == 2 and target.attempt == numbers[1]:
+            if target.phase is not Phase.GATHERING:
+                return
+            if kind == "grace" and target.has_quorum:
+                self._complete(target, now, out)
+                self._advance(now, out)
+            elif kind == "quorum" and not target.has_quorum:
+                self._discard(target, now, out)
+
+    def _on_final_deadline(self, out: list[Action]) -> None:
+        final = self._final
+        if final is None or final.complete:
+            return
+        out.extend(final.shutdown_sends(self._registry.is_open))
+        pending = sorted(final.pending)
+        self._fail(
+            f"FINAL_ACK missing from learners {pending} after "
+            f"{self.config.final_ack_timeout} s (the final checkpoint is intact)",
+            out,
+        )
+
+    # -- rounds ----------------------------------------------------------------------------
+    def _advance(self, now: float, out: list[Action]) -> None:
+        """Commit what can commit, start the session, launch rounds, finalize: in that order."""
+        self._commit_ready(now, out)
+        if self._exit is not None:
+            return
+        self._maybe_start(out)
+        self._launch_rounds(now, out)
+        self._maybe_finalize(now, out)
+
+    def _maybe_start(self, out: list[Action]) -> None:
+        model = self._model
+        if self._started or model is None or not model.all_initialized:
+            return
+        if self._registry.connected_learners < self.config.learners:
+            return
+        self._started = True
+        members = self._registry.current_members()
+        for fragment in range(model.num_fragments):
+            self._broadcast(fragment, members, out)
+        out.append(
+            Log(
+                "info",
+                "session started",
+                {"learners": len(members), "versions": list(model.versions)},
+            )
+        )
+
+    def _launch_rounds(self, now: float, out: list[Action]) -> None:
+        if not self._started or self._final is not None:
+            return
+        model = self._require_model()
+        depth = pipeline_depth(self.config.pipeline, model.num_fragments)
+        while self._next_step <= self.config.total_steps and len(self._rounds) < depth:
+            members = self._registry.current_members()
+            if not members:
+                return  # a GroupReady will bring us back
+            if self._last_launch_at is not None:
+                slowest = self._step_times.slowest(m.learner_id for m in members)
+                due = self._last_launch_at + launch_interval(
+                    self.config, slowest, model.num_fragments
+                )
+                if now < due:
+                    out.append(SetTimer(LAUNCH_TIMER, due))
+                    return
+            step = self._next_step
+            fragment = target_fragment(step, model.num_fragments)
+            launched = Round.launch(
+                step=step,
+                fragment=fragment,
+                attempt=1,
+                members=members,
+                quorum=self.config.quorum,
+                now=now,
+                version=model.fragments[fragment].version,
+            )
+            self._rounds[step] = launched
+            self._next_step = step + 1
+            self._last_launch_at = now
+            self._issue_pulls(launched, now, out)
+
+    def _issue_pulls(self, launched: Round, now: float, out: list[Action]) -> None:
+        pull = PullReq(launched.fragment, launched.step, launched.attempt)
+        out.extend(Send(member, pull) for member in launched.members)
+        out.append(
+            SetTimer(
+                _round_timer("quorum", launched.step, launched.attempt),
+                now + self.config.quorum_timeout_s,
+            )
+        )
+        out.append(
+            Log(
+                "info",
+                "round launched",
+                {
+                    "step": launched.step,
+                    "fragment": launched.fragment,
+                    "attempt": launched.attempt,
+                    "quorum": launched.quorum,
+                    "members": tape.members(launched.members),
+                    "base_version": launched.launch_version,
+                },
+            )
+        )
+
+    def _open_grace(self, target: Round, now: float, out: list[Action]) -> None:
+        """K just answered: wait the adaptive grace window, or complete if it is empty."""
+        slowest = self._step_times.slowest(m.learner_id for m in target.members)
+        grace = grace_window(self.config, slowest, target.quorum_s, self._last_sync_s)
+        target.grace_s = grace
+        if grace <= 0.0:
+            self._complete(target, now, out)
+        else:
+            out.append(SetTimer(_round_timer("grace", target.step, target.attempt), now + grace))
+
+    def _complete(self, target: Round, now: float, out: list[Action]) -> None:
+        target.complete(now)
+        out.append(CancelTimer(_round_timer("quorum", target.step, target.attempt)))
+        if target.grace_s is not None and target.grace_s > 0.0:
+            out.append(CancelTimer(_round_timer("grace", target.step, target.attempt)))
+
+    def _discard(self, target: Round, now: float, out: list[Action]) -> None:
+        out.append(AppendTape(tape.discard_record(target, target.accepted)))
+        out.append(
+            Log(
+                "warning",
+                "quorum deadline missed; attempt discarded",
+                {
+                    "step": target.step,
+                    "attempt": target.attempt,
+                    "answered": target.answered,
+                    "quorum": target.quorum,
+                },
+            )
+        )
+        target.discard()
+        self._retry(target, now, out)
+
+    def _retry(self, target: Round, now: float, out: list[Action]) -> None:
+        members = self._registry.current_members()
+        if len(members) < target.quorum:
+            out.append(SetTimer(_round_timer("retry", target.step), now + RETRY_DELAY_S))
+            return
+        version = self._require_model().fragments[target.fragment].version
+        target.retry(members, self.config.quorum, now, version)
+        self._issue_pulls(target, now, out)
+
+    # -- commit ----------------------------------------------------------------------------
+    def _commit_ready(self, now: float, out: list[Action]) -> None:
+        """Commit completed rounds strictly in ascending t; stop at the first one still open."""
+        while self._rounds:
+            step, head = next(iter(self._rounds.items()))
+            if head.phase is not Phase.COMPLETE or not self._commit(head, now, out):
+                return
+            del self._rounds[step]
+
+    def _commit(self, done: Round, now: float, out: list[Action]) -> bool:
+        model, session = self._require_model(), self._require_session()
+        slot = model.fragments[done.fragment]
+        params, momentum = slot.arrays()
+        try:
+            merged = merge_round(
+                slot.geometry,
+                [accepted.response for accepted in done.accepted.values()],
+                params,
+                momentum,
+                model.ledger,
+                self._merge_config,
+                self._solver,
+            )
+        except MergeError as exc:
+            reason = f"round {done.step} (fragment {done.fragment}) failed to commit: {exc}"
+            out.append(AppendTape(tape.failure_record(done, str(exc))))
+            self._fail(reason, out)
+            return False
+        assert done.completed_at is not None
+        sync_s = max(now - done.completed_at, 0.0)
+        model.commit(done.step, done.fragment, merged)
+        self._last_sync_s = sync_s
+        self._bcasts.pop(done.fragment, None)
+        if self.config.checkpoint_enabled and done.step % self.config.checkpoint_every == 0:
+            # Durable before the broadcast below leaves (the transport runs actions in order).
+            out.append(WriteCheckpoint(self._snapshot(session)))
+        self._broadcast(done.fragment, self._registry.current_members(), out)
+        record = tape.merge_record(
+            done, merged, sync_s=sync_s, merge_mode=slot.geometry.merge_mode.name.lower()
+        )
+        out.append(AppendTape(record))
+        out.append(
+            Log(
+                "info",
+                "round committed",
+                {
+                    "step": done.step,
+                    "fragment": done.fragment,
+                    "attempt": done.attempt,
+                    "responders": len(merged.responses),
+                    "gnorm": merged.gnorm,
+                },
+            )
+        )
+        return True
+
+    def _broadcast(self, fragment: int, targets: tuple[GroupKey, ...], out: list[Action]) -> None:
+        """BCAST the fragment's current version to each ready target that lacks it."""
+        model, session = self._require_model(), self._require_session()
+        slot = model.fragments[fragment]
+        params, _ = slot.arrays()
+        message = self._bcasts.get(fragment)
+        if message is None or message.version != slot.version:
+            message = bcast_message(fragment, slot.version, params, session.dtype)
+            self._bcasts[fragment] = message
+        for key in targets:
+            group = self._registry.get(key)
+            if group is None or not group.ready:
+                continue
+            if group.bcast_versions.get(fragment) == slot.version:
+                continue
+            group.bcast_versions[fragment] = slot.version
+            out.append(Send(key, message))
+
+    # -- finalization ----------------------------------------------------------------------
+    def _maybe_finalize(self, now: float, out: list[Action]) -> None:
+        if self._final is not None or not self._started:
+            return
+        if self._next_step <= self.config.total_steps or self._rounds:
+            return
+        model, session = self._require_model(), self._require_session()
+        members = self._registry.current_members()
+        frozen = frozenset(m.learner_id for m in members)
+        snapshot = self._snapshot(session)
+        if self.config.checkpoint_enabled:
+            out.append(WriteCheckpoint(snapshot, final=True))
+            if self.config.mark_final_checkpoint:
+                out.append(WriteFinalMarker(model.global_step))
+        if self.config.final_state is not None:
+            out.append(WriteFinalState(snapshot))
+        cut = [
+            final_fragment_message(index, slot.version, slot.arrays()[0])
+            for index, slot in enumerate(model.fragments)
+        ]
+        final = Finalization(
+            final_step=model.global_step,
+            fragments=cut,
+            frozen=frozen,
+            deadline=now + self.config.final_ack_timeout,
+        )
+        self._final = final
+        out.append(AppendTape(tape.final_cut_record(final.final_step, model.versions, frozen)))
+        out.append(
+            Log(
+                "info",
+                "final cut",
+                {"global_step": final.final_step, "frozen_learners": sorted(frozen)},
+            )
+        )
+        if not frozen:
+            self._fail("no live learner at the final cut to deliver it to", out)
+            return
+        for member in members:
+            out.extend(final.queue(member))
+        out.append(SetTimer(FINAL_ACK_TIMER, final.deadline))
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _snapshot(self, session: SessionIdentity) -> Checkpoint:
+        return self._require_model().snapshot(
+            iso_backend=self._solver.backend,
+            fingerprint=session.fingerprint,
+            contract=session.contract,
+        )
+
+    def _close_group(self, key: GroupKey, refusal: Refusal, out: list[Action]) -> None:
+        """A fatal protocol error from one group: ERROR, close it, forget it."""
+        self._registry.remove(key)
+        out.append(CloseGroup(key, ErrorMessage(refusal.text)))
+        out.append(
+            Log("error", "group closed on protocol error", {**_member_fields(key), **_why(refusal)})
+        )
+
+    def _fail(self, reason: str, out: list[Action]) -> None:
+        self._finish(EXIT_FAILURE, reason, out)
+
+    def _finish(self, code: int, reason: str, out: list[Action]) -> None:
+        self._exit = Exit(code, reason)
+        out.append(
+            Log(
+                "info" if code == EXIT_OK else "error",
+                "syncer exiting",
+                {"code": code, "reason": reason},
+            )
+        )
+        out.append(self._exit)
+
+    def _require_model(self) -> GlobalModel:
+        if self._model is None:
+            raise RuntimeError("no session yet")
+        return self._model
+
+    def _require_session(self) -> SessionIdentity:
+        session = self._admission.session
+        if session is None:
+            raise RuntimeError("no session yet")
+        return session
+
+
+def _why(refusal: Refusal) -> dict[str, str]:
+    return {"code": refusal.code.value, "reason": refusal.detail}
+
+
+def _id_mismatch(frame: str, learner_id: int, key: GroupKey) -> Refusal:
+    return Refusal(
+        ErrorCode.LEARNER_ID_MISMATCH,
+        f"{frame} names learner {learner_id}, the group is learner {key.learner_id}",
+    )

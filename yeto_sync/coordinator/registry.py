@@ -1,0 +1,88 @@
+"""Connection groups and generations.
+
+Each logical learner has at most one *current* generation: the most recently admitted one that
+is ready. A newer ready generation supersedes the old one for future launches, but the old group
+stays registered while its sockets live, so it can still finish an attempt that captured it.
+Closing a superseded group never touches the current one. Only ready groups count as
+connected learners.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..events import ConnId, GroupKey
+
+
+@dataclass(slots=True, eq=False)
+class Group:
+    key: GroupKey
+    conn: ConnId
+    num_streams: int
+    #: Admission order: a generation admitted later is the newer one.
+    sequence: int
+    ready: bool = False
+    #: Last BCAST version queued to this group, per fragment (the syncer side of the learner's
+    #: monotonic BCAST cache): a version is never queued twice to one group.
+    bcast_versions: dict[int, int] = field(default_factory=dict)
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._groups: dict[GroupKey, Group] = {}
+        self._current: dict[int, GroupKey] = {}
+        self._admitted: set[GroupKey] = set()
+        self._sequence = 0
+
+    # -- queries ---------------------------------------------------------------------------
+    def was_admitted(self, key: GroupKey) -> bool:
+        """True for any (learner, generation) ever admitted, even if closed since."""
+        return key in self._admitted
+
+    def get(self, key: GroupKey) -> Group | None:
+        return self._groups.get(key)
+
+    def is_open(self, key: GroupKey) -> bool:
+        return key in self._groups
+
+    def is_current(self, key: GroupKey) -> bool:
+        return self._current.get(key.learner_id) == key
+
+    def current_of(self, learner_id: int) -> GroupKey | None:
+        return self._current.get(learner_id)
+
+    def current_members(self) -> tuple[GroupKey, ...]:
+        """The current ready generation of every connected learner, ascending."""
+        return tuple(sorted(self._current.values()))
+
+    @property
+    def connected_learners(self) -> int:
+        return len(self._current)
+
+    # -- changes ---------------------------------------------------------------------------
+    def admit(self, key: GroupKey, conn: ConnId, num_streams: int) -> None:
+        self._sequence += 1
+        self._groups[key] = Group(key, conn, num_streams, self._sequence)
+        self._admitted.add(key)
+
+    def mark_ready(self, key: GroupKey) -> GroupKey | None:
+        """Mark ``key`` ready; it becomes current unless a later-admitted generation already is.
+
+        Returns the generation it superseded, if any.
+        """
+        group = self._groups[key]
+        group.ready = True
+        previous = self._current.get(key.learner_id)
+        if previous is not None and self._groups[previous].sequence > group.sequence:
+            return None
+        self._current[key.learner_id] = key
+        return previous if previous != key else None
+
+    def remove(self, key: GroupKey) -> bool:
+        """Forget a closed group; return True if it was its learner's current generation."""
+        if self._groups.pop(key, None) is None:
+            return False
+        if self._current.get(key.learner_id) == key:
+            del self._current[key.learner_id]
+            return True
+        return False

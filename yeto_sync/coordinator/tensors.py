@@ -1,0 +1,62 @@
+"""Wire tensors in and out of the coordinator: decode, check, negate once; encode once.
+
+Every incoming tensor becomes exactly one f32 array here (the one copy on a payload's way);
+every outgoing fragment is encoded once per version and shared by all groups it goes to.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from yeto_proto.constants import WireDtype
+from yeto_proto.dtypes import all_finite, decode_tensor, encode_tensor
+from yeto_proto.errors import ErrorCode, RemoteProtocolError
+from yeto_proto.messages import BcastFragment, FinalFragment
+
+from ..merge import F32Array
+
+
+def _decode(data: memoryview, dtype: WireDtype, numel: int, *, push: bool) -> F32Array:
+    try:
+        decoded = decode_tensor(data, dtype, numel, push=push)
+    except (ValueError, TypeError) as exc:  # a codec bug must still surface as a protocol error
+        raise RemoteProtocolError(ErrorCode.BAD_TENSOR_LENGTH, str(exc)) from exc
+    array: F32Array = np.asarray(decoded, dtype=np.float32).reshape(-1)
+    if array.size != numel:
+        raise RemoteProtocolError(
+            ErrorCode.BAD_TENSOR_LENGTH, f"decoded {array.size} values, expected {numel}"
+        )
+    if not all_finite(array):
+        raise RemoteProtocolError(ErrorCode.NON_FINITE_VALUE, "tensor holds NaN or inf")
+    return array
+
+
+def _owned(array: F32Array) -> bool:
+    return bool(array.flags.writeable and array.flags.owndata and array.flags.c_contiguous)
+
+
+def decode_init(data: memoryview, dtype: WireDtype, numel: int) -> F32Array:
+    """INIT tensor as an owned f32 array (never a view into a receive buffer)."""
+    array = _decode(data, dtype, numel, push=False)
+    return array if _owned(array) else array.copy()
+
+
+def decode_outer_gradient(data: memoryview, dtype: WireDtype, numel: int) -> F32Array:
+    """PUSH payload d = local − anchor, returned as the outer gradient Δ = −d (negated once)."""
+    array = _decode(data, dtype, numel, push=True)
+    if _owned(array):
+        np.negative(array, out=array)
+        return array
+    negated: F32Array = np.negative(array)
+    return negated
+
+
+def bcast_message(fragment: int, version: int, params: F32Array, dtype: WireDtype) -> BcastFragment:
+    """BCAST in the session's bulk dtype (bf16 for q4 sessions)."""
+    return BcastFragment(fragment, version, encode_tensor(params, dtype, push=False).data)
+
+
+def final_fragment_message(fragment: int, version: int, params: F32Array) -> FinalFragment:
+    """FINAL_FRAGMENT: always little-endian f32, straight from the stored array."""
+    little = np.ascontiguousarray(params, dtype="<f4")
+    return FinalFragment(fragment, version, little.view(np.uint8).data)
