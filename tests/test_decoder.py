@@ -800,3 +800,28 @@ def test_final_ack_and_budget_done_round_trip_on_a_syncer() -> None:
     decoder = syncer_decoder()
     decoder.feed(encode_bytes(FinalAck(40)) + encode_bytes(BudgetDone(0)))
     assert decoder.frames() == [FinalAck(40), BudgetDone(0)]
+
+
+def test_direct_reads_into_the_payload_buffer_decode_the_same_frame() -> None:
+    """``writable``/``wrote`` let a socket fill the payload in place, skipping feed's copy."""
+    import numpy as np
+
+    from yeto_proto import BcastFragment, encode_bytes
+
+    layout = WireLayout((WireFragment(MergeMode.AVG, (1000,)),))
+    limits = Limits.of(WireDtype.F32, layout)
+    message = BcastFragment(0, 3, np.arange(1000, dtype="<f4").data)
+    raw = encode_bytes(message)
+    decoder = FrameDecoder(Role.LEARNER, limits=limits)
+    assert decoder.writable() is None  # header bytes go through feed
+    decoder.feed(raw[:20])
+    at = 20
+    while (target := decoder.writable()) is not None:
+        step = min(len(target), 777)
+        target[:step] = raw[at : at + step]
+        decoder.wrote(step)
+        at += step
+    assert at == len(raw)
+    assert decoder.next_frame() == message
+    with pytest.raises(LocalProtocolError):
+        decoder.wrote(1)

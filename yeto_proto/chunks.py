@@ -12,7 +12,10 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from .constants import (
+    ALLOCATION_CEILING,
     CHUNK_ENVELOPE_SIZE,
     CHUNK_SLICE_SIZE,
     FRAME_MAGIC,
@@ -87,7 +90,10 @@ class _Partial:
 
     def __init__(self, total_len: int) -> None:
         self.total_len = total_len
-        self.buffer = bytearray(total_len)
+        # Uninitialized: a message completes only once every byte has been written.
+        if total_len > ALLOCATION_CEILING:
+            raise MemoryError
+        self.buffer = np.empty(total_len, dtype=np.uint8).data
         self.spans: list[tuple[int, int]] = []  # sorted, disjoint [start, end)
         self.filled = 0
 
@@ -161,7 +167,11 @@ class Reassembler:
                 )
             try:
                 partial = _Partial(chunk.total_len)
-            except (MemoryError, OverflowError):  # within the limit, beyond this machine
+            except (
+                MemoryError,
+                OverflowError,
+                ValueError,
+            ):  # within the limit, beyond this machine
                 raise RemoteProtocolError(
                     ErrorCode.CHUNK_TOTAL_TOO_LARGE,
                     f"message {chunk.msg_id}: cannot allocate {chunk.total_len} bytes",
@@ -187,7 +197,9 @@ class Reassembler:
         return decode_inner_frame(partial.buffer, self.receiver, self.limits)
 
 
-def decode_inner_frame(frame: bytearray | bytes, receiver: Role, limits: Limits) -> AnyMessage:
+def decode_inner_frame(
+    frame: bytearray | bytes | memoryview, receiver: Role, limits: Limits
+) -> AnyMessage:
     """Decode a reassembled inner frame: a striped type, in direction, with ``len`` = size − 13."""
     view = memoryview(frame)
     if len(view) < HEADER_SIZE:

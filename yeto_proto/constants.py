@@ -15,6 +15,9 @@ CHUNK_SLICE_SIZE = 4 * 1024 * 1024
 CHUNK_ENVELOPE_SIZE = 24  # msg_id:u64 | total_len:u64 | offset:u64
 CHUNK_LIMIT = CHUNK_ENVELOPE_SIZE + CHUNK_SLICE_SIZE
 ERROR_TEXT_LIMIT = 65536
+#: Frame and reassembly buffers are allocated uninitialized and filled as bytes arrive, so the OS
+#: would happily promise absurd sizes; claims above this (256 TiB) fail before any allocation.
+ALLOCATION_CEILING = 1 << 48
 MAX_PARTIAL_MESSAGES = 64
 MAX_STREAMS = 256
 FINALIZATION_REVISION = 1

@@ -18,7 +18,10 @@ from __future__ import annotations
 import enum
 from collections import deque
 
+import numpy as np
+
 from .constants import (
+    ALLOCATION_CEILING,
     CHUNK_ENVELOPE_SIZE,
     EXACT_PAYLOAD_SIZES,
     FIRST_FRAME_LIMIT,
@@ -140,9 +143,9 @@ class FrameDecoder:
             raise LocalProtocolError(ErrorCode.FRAME_TOO_LARGE, "a learner decoder needs limits")
         self._head = bytearray()
         self._frame_type: FrameType | None = None
-        self._payload: bytearray | None = None
+        self._payload: memoryview | None = None
         self._filled = 0
-        self._ready: deque[tuple[FrameType, bytearray]] = deque()
+        self._ready: deque[tuple[FrameType, memoryview]] = deque()
         self._stash: bytearray | None = None  # bytes waiting for set_limits
         self._error: ProtocolError | None = None
         self._eof = False
@@ -218,12 +221,35 @@ class FrameDecoder:
             first_frame=self._first_pending,
         )
         try:
-            self._payload = bytearray(length)
-        except (MemoryError, OverflowError):  # OverflowError: len beyond the address space
+            if length > ALLOCATION_CEILING:
+                raise MemoryError
+            # Uninitialized: every byte is written by the peer's data before anyone reads it.
+            self._payload = np.empty(length, dtype=np.uint8).data
+        except (MemoryError, ValueError):  # within the limit, beyond this machine
             raise RemoteProtocolError(
                 ErrorCode.FRAME_TOO_LARGE, f"cannot allocate {length} bytes"
             ) from None
         self._filled = 0
+
+    # -- direct reads ----------------------------------------------------------------------
+    def writable(self) -> memoryview | None:
+        """Where a socket may ``recv_into`` directly: the unfilled rest of the current payload.
+
+        ``None`` while the decoder needs header bytes (use :meth:`feed`), has failed, or holds
+        bytes back for :meth:`set_limits`. After writing ``n`` bytes there, call
+        :meth:`wrote`. This skips the copy that :meth:`feed` makes, for large payloads.
+        """
+        if self._payload is None or self._error is not None or self._eof or self._stash:
+            return None
+        return self._payload[self._filled :]
+
+    def wrote(self, count: int) -> None:
+        """Account for ``count`` bytes a socket wrote into :meth:`writable`'s view."""
+        if self._payload is None or not 0 <= count <= len(self._payload) - self._filled:
+            raise LocalProtocolError(ErrorCode.FIELD_OUT_OF_RANGE, f"wrote {count} bytes")
+        self._filled += count
+        if self._filled == len(self._payload):
+            self._finish_frame()
 
     def _finish_frame(self) -> None:
         assert self._frame_type is not None and self._payload is not None
@@ -240,7 +266,7 @@ class FrameDecoder:
             try:
                 return decode_payload(
                     frame_type,
-                    memoryview(payload),
+                    payload,
                     limits=self._limits,
                     num_learners=self._num_learners,
                     hello_key=self._hello_key,

@@ -159,9 +159,7 @@ def encode_bytes(message: AnyMessage, *, hello_key: bytes | None = None) -> byte
 # -- decoding -----------------------------------------------------------------------------------
 
 
-def _parse_with_schema(
-    frame_type: FrameType, payload: memoryview, **context: Any
-) -> Any:
+def _parse_with_schema(frame_type: FrameType, payload: memoryview, **context: Any) -> Any:
     try:
         return PAYLOADS[frame_type].parse(bytes(payload), **context)
     except CodedConstructError as exc:
@@ -273,8 +271,6 @@ def _decode_payload(
         if len(data) != expected:
             raise RemoteProtocolError(
                 ErrorCode.BAD_TENSOR_LENGTH,
-                f"{frame_type.name} fragment {fragment_id}: {len(data)} bytes, "
-                f"expected {expected}",
+                f"{frame_type.name} fragment {fragment_id}: {len(data)} bytes, expected {expected}",
             )
     return message
-

@@ -199,4 +199,3 @@ def layout_fingerprint(layout: Layout) -> bytes:
             h.update(struct.pack("<QI", tensor.numel, len(tensor.shape)))
             h.update(struct.pack(f"<{len(tensor.shape)}Q", *tensor.shape))
     return h.digest()
-
