@@ -1,0 +1,360 @@
+"""The syncer's TCP transport against plain blocking sockets, on loopback.
+
+    python benchmarks/bench_transport.py [--mib 64] [--messages 8] [--repeats 5]
+
+Each case moves ``messages`` tensors of ``mib`` MiB (f32) between this process and a
+subprocess, and the receiving side times first byte (or the "go" signal) → last message:
+
+- receive path (learner → syncer): the baseline receiver is a blocking socket reading with
+  ``recv_into`` into a 4 MiB buffer while the sender ``sendall``\\ s 4 MiB pieces; yeto-sync runs
+  its real ``TcpTransport`` + ``ConnectionGroups`` + driver and counts decoded PUSH frames that a
+  scripted learner sends plain (S = 0) or striped over 3 data sockets (S = 3);
+- send path (syncer → learner): the baseline sender ``sendall``\\ s 4 MiB pieces; yeto-sync queues
+  BCAST frames through the transport (``sendmsg`` of the encoded buffers, CHUNKs for S = 3);
+  the receiving subprocess only counts bytes in both cases.
+
+Target (BENCHMARKS.md: ``wait_readable`` + ``recv_into`` on the raw socket reaches 0.9–0.97× of
+blocking sockets): the receive path, which also decodes every frame, ≥ 0.6× the baseline.
+Reported: median and best GB/s over the repeats, and median ratio to the baseline of the same
+direction measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from scripted_learner import LearnerGroup, SessionSpec  # noqa: E402
+
+from yeto_proto import (  # noqa: E402
+    BcastFragment,
+    Chunk,
+    ChunkSlicer,
+    FrameDecoder,
+    Limits,
+    MergeMode,
+    PullReq,
+    PushFragment,
+    Reassembler,
+    Role,
+    WireDtype,
+    WireFragment,
+    WireLayout,
+    encode,
+)
+from yeto_proto.constants import CHUNK_ENVELOPE_SIZE, CHUNK_SLICE_SIZE, HEADER_SIZE  # noqa: E402
+from yeto_sync.driver import Driver, KeyValueLog  # noqa: E402
+from yeto_sync.events import (  # noqa: E402
+    Action,
+    AdmitGroup,
+    Event,
+    Exit,
+    GroupKey,
+    GroupReady,
+    HelloReceived,
+    MessageReceived,
+    Send,
+)
+from yeto_sync.transport import MonotonicClock  # noqa: E402
+from yeto_sync.transport.group import ConnectionGroups  # noqa: E402
+from yeto_sync.transport.tcp import TcpTransport  # noqa: E402
+
+PIECE = 4 << 20
+TARGET_RECEIVE_RATIO = 0.6
+
+
+def session(numel: int) -> SessionSpec:
+    layout = WireLayout((WireFragment(MergeMode.AVG, (numel,)),))
+    return SessionSpec(WireDtype.F32, layout, bytes(32), bytes(range(32)))
+
+
+# -- subprocess roles ------------------------------------------------------------------------------
+def role_send_raw(port: int, total: int) -> None:
+    """Baseline sender: wait for the go byte, then sendall ``total`` bytes in 4 MiB pieces."""
+    piece = np.ones(PIECE, np.uint8).data
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.recv(1)
+        left = total
+        while left:
+            size = min(left, PIECE)
+            sock.sendall(piece[:size])
+            left -= size
+        sock.recv(1)  # hold the socket until the receiver is done
+
+
+def role_learner_push(port: int, numel: int, messages: int, streams: int) -> None:
+    """A scripted learner: connect, wait for the PULL, send ``messages`` PUSH frames."""
+    group = LearnerGroup(
+        ("127.0.0.1", port), session(numel), learner_id=0, generation=1, num_streams=streams
+    )
+    group.connect()
+    group.receive(60.0)
+    delta = np.full(numel, 0.25, np.float32)
+    push = PushFragment(0, 0, 1, 1, 0, 1, 1, 1, delta.view(np.uint8).data)
+    for _ in range(messages):
+        group.send(push)
+    try:
+        while True:
+            group.receive(60.0)
+    except Exception:  # the syncer closes when it is done
+        pass
+    group.close()
+
+
+def role_count_bytes(port: int, total: int, numel: int, streams: int) -> None:
+    """Receiver of the send path: read (and drop) ``total`` bytes; print the elapsed seconds."""
+    buffer = bytearray(PIECE)
+    if streams < 0:  # baseline: a plain socket
+        sockets = [socket.create_connection(("127.0.0.1", port))]
+    else:  # a yeto group: HELLO and DATA_HELLOs, then raw reads of whatever arrives
+        group = LearnerGroup(
+            ("127.0.0.1", port), session(numel), learner_id=0, generation=1, num_streams=streams
+        )
+        group.connect()
+        sockets = group.sockets
+    selector = selectors.DefaultSelector()
+    for sock in sockets:
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ)
+    received, started = 0, None
+    while received < total:
+        for key, _ in selector.select(30):
+            try:
+                size = key.fileobj.recv_into(buffer)  # type: ignore[union-attr]
+            except BlockingIOError:
+                continue
+            if started is None:
+                started = time.perf_counter()
+            received += size
+    elapsed = time.perf_counter() - (started or time.perf_counter())
+    print(json.dumps({"seconds": elapsed, "bytes": received}), flush=True)
+    for sock in sockets:
+        sock.close()
+
+
+def spawn(*args: object) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, __file__, "--role", *map(str, args)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+# -- the measured sides ----------------------------------------------------------------------------
+def baseline_receive(total: int) -> float:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        child = spawn("send-raw", server.getsockname()[1], total)
+        sock, _ = server.accept()
+        with sock:
+            buffer = bytearray(PIECE)
+            started = time.perf_counter()
+            sock.sendall(b"g")
+            received = 0
+            while received < total:
+                received += sock.recv_into(buffer)
+            elapsed = time.perf_counter() - started
+            sock.sendall(b"d")
+    child.wait(60)
+    return elapsed
+
+
+class Receiver:
+    """Bench coordinator for the receive path: PULL once ready, count PUSHes, then exit."""
+
+    def __init__(self, messages: int) -> None:
+        self.messages = messages
+        self.received = 0
+        self.started = 0.0
+        self.elapsed = 0.0
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        match event:
+            case HelloReceived(conn=conn, hello=hello):
+                key = GroupKey(hello.learner_id, hello.generation)
+                limits = Limits.of(hello.dtype, hello.layout)
+                return [AdmitGroup(conn, key, hello.num_streams, limits)]
+            case GroupReady(group=group):
+                self.started = time.perf_counter()
+                return [Send(group, PullReq(0, 1, 1))]
+            case MessageReceived(message=PushFragment()):
+                self.received += 1
+                if self.received == self.messages:
+                    self.elapsed = time.perf_counter() - self.started
+                    return [Exit(0, "done")]
+        return []
+
+
+class Sender:
+    """Bench coordinator for the send path: BCAST ``messages`` times once ready, then exit."""
+
+    def __init__(self, message: BcastFragment, messages: int) -> None:
+        self.message = message
+        self.messages = messages
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        match event:
+            case HelloReceived(conn=conn, hello=hello):
+                key = GroupKey(hello.learner_id, hello.generation)
+                limits = Limits.of(hello.dtype, hello.layout)
+                return [AdmitGroup(conn, key, hello.num_streams, limits)]
+            case GroupReady(group=group):
+                return [*(Send(group, self.message) for _ in range(self.messages)), Exit(0, "")]
+        return []
+
+
+async def run_transport(coordinator: Receiver | Sender, child_args: list[object]) -> str:
+    """Serve one session to a child process; return what the child printed."""
+    clock = MonotonicClock()
+    groups = ConnectionGroups(1)
+    async with TcpTransport.serve(groups, clock, "127.0.0.1", 0) as transport:
+        child = spawn(*child_args[:1], transport.address[1], *child_args[1:])
+        driver = Driver(
+            coordinator, transport, clock, log=KeyValueLog(min_level="error"), shutdown_grace=120.0
+        )
+        await driver.run(transport)
+    output: str = await anyio.to_thread.run_sync(lambda: child.communicate(timeout=120)[0])
+    return output
+
+
+def transport_receive(numel: int, messages: int, streams: int) -> float:
+    coordinator = Receiver(messages)
+    anyio.run(run_transport, coordinator, ["learner-push", numel, messages, streams])
+    return coordinator.elapsed
+
+
+def decoder_alone(numel: int, messages: int, streams: int) -> float:
+    """The receive path without sockets: the same frames fed from memory in ≤ 4 MiB views to
+    the syncer's FrameDecoder (and Reassembler for S=3): the ceiling yeto_proto sets."""
+    spec = session(numel)
+    delta = np.full(numel, 0.25, np.float32)
+    push = PushFragment(0, 0, 1, 1, 0, 1, 1, 1, delta.view(np.uint8).data)
+    decoder = FrameDecoder(Role.SYNCER, limits=spec.limits, enforce_first_frame=False)
+    reassembler = Reassembler(Role.SYNCER, spec.limits)
+    slicer = ChunkSlicer(max(streams, 1))
+    started = time.perf_counter()
+    for _ in range(messages):
+        frame = encode(push)
+        frames = [p.buffers for p in slicer.slice(frame)] if streams else [frame]
+        for buffers in frames:
+            for buffer in buffers:
+                view = memoryview(buffer)
+                for offset in range(0, len(view), PIECE):
+                    decoder.feed(view[offset : offset + PIECE])
+            for item in decoder.frames():
+                if isinstance(item, Chunk):
+                    reassembler.add(item)
+    return time.perf_counter() - started
+
+
+def baseline_send(total: int) -> float:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        child = spawn("count-bytes", server.getsockname()[1], total, 0, -1)
+        sock, _ = server.accept()
+        with sock:
+            piece = np.ones(PIECE, np.uint8).data
+            left = total
+            while left:
+                size = min(left, PIECE)
+                sock.sendall(piece[:size])
+                left -= size
+            output = child.communicate(timeout=120)[0]
+    return float(json.loads(output)["seconds"])
+
+
+def transport_send(numel: int, messages: int, streams: int) -> float:
+    data = np.full(numel, 0.5, np.float32)
+    message = BcastFragment(0, 1, data.view(np.uint8).data)
+    inner = HEADER_SIZE + 12 + data.nbytes
+    per_message = inner
+    if streams:
+        per_message += -(-inner // CHUNK_SLICE_SIZE) * (HEADER_SIZE + CHUNK_ENVELOPE_SIZE)
+    coordinator = Sender(message, messages)
+    total = per_message * messages
+    output = anyio.run(run_transport, coordinator, ["count-bytes", total, numel, streams])
+    return float(json.loads(output)["seconds"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=64)
+    parser.add_argument("--messages", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role:
+        name, *rest = args.role
+        values = [int(v) for v in rest]
+        roles: dict[str, Callable[..., None]] = {
+            "send-raw": role_send_raw,
+            "learner-push": role_learner_push,
+            "count-bytes": role_count_bytes,
+        }
+        roles[name](*values)
+        return
+
+    numel = args.mib * (1 << 20) // 4
+    total = numel * 4 * args.messages
+    cases: dict[str, Any] = {
+        "receive: blocking socket, recv_into 4 MiB (baseline)": lambda: baseline_receive(total),
+        "receive: yeto-sync PUSH, S=0": lambda: transport_receive(numel, args.messages, 0),
+        "receive: yeto-sync PUSH, S=3": lambda: transport_receive(numel, args.messages, 3),
+        "receive: yeto_proto decoder alone, no sockets, S=0": lambda: decoder_alone(
+            numel, args.messages, 0
+        ),
+        "receive: yeto_proto decoder + reassembler alone, no sockets, S=3": lambda: decoder_alone(
+            numel, args.messages, 3
+        ),
+        "send: blocking socket, sendall 4 MiB (baseline)": lambda: baseline_send(total),
+        "send: yeto-sync BCAST, S=0": lambda: transport_send(numel, args.messages, 0),
+        "send: yeto-sync BCAST, S=3": lambda: transport_send(numel, args.messages, 3),
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.repeats):  # interleaved, so drift hits every case alike
+        for name, measure in cases.items():
+            times[name].append(measure())
+
+    print(
+        f"{args.messages} x {args.mib} MiB f32 per case, loopback, {args.repeats} repeats; "
+        f"load average {os.getloadavg()[0]:.2f}\n"
+    )
+    print("| case | median GB/s | best GB/s | × baseline (median) | target | result |")
+    print("|---|---:|---:|---:|---|---|")
+    baselines = {"receive": None, "send": None}
+    for name, samples in times.items():
+        direction = name.split(":")[0]
+        median_rate = total / statistics.median(samples) / 1e9
+        best_rate = total / min(samples) / 1e9
+        if "baseline" in name:
+            baselines[direction] = median_rate
+            ratio, target, result = "1.00x", "", "baseline"
+        else:
+            base = baselines[direction]
+            assert base is not None
+            value = median_rate / base
+            ratio = f"{value:.2f}x"
+            measured = "alone" not in name and direction == "receive"
+            target = f"≥ {TARGET_RECEIVE_RATIO}x" if measured else ""
+            result = ("PASS" if value >= TARGET_RECEIVE_RATIO else "FAIL") if target else "info"
+        print(f"| {name} | {median_rate:.2f} | {best_rate:.2f} | {ratio} | {target} | {result} |")
+
+
+if __name__ == "__main__":
+    main()

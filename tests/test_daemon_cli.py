@@ -1,0 +1,251 @@
+"""The ``yeto-sync`` command line: flags, startup refusals, signals, resume, HELLO auth."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from daemon_harness import REPO, Daemon, error_code, wait_until
+from scripted_learner import LearnerGroup, ScriptedLearner, SessionSpec, SyncerError
+
+from yeto_proto import MergeMode, WireDtype, WireFragment, WireLayout
+from yeto_proto.checkpoint import read_checkpoint
+
+LAYOUT = WireLayout((WireFragment(MergeMode.AVG, (4096,)), WireFragment(MergeMode.AVG, (64,))))
+SPEC = SessionSpec(WireDtype.BF16, LAYOUT, bytes(range(32)), bytes(range(64, 96)))
+PINNED_FLAGS = (
+    "--port --learners --quorum --grace-ms --grace-gamma --grace-tau --pipeline "
+    "--min-round-interval-ms --sync-interval-steps --delta-correction --quorum-timeout-s "
+    "--final-ack-timeout-s --total-steps --outer-lr --outer-momentum --iso-backend "
+    "--iso-worker-queue-capacity --final-state --checkpoint-path --checkpoint-every --resume "
+    "--mark-final-checkpoint --learner-budget-steps --event-tape --max-base-lag "
+    "--learner-weight --require-profile-binding --host --print-profile-hash "
+    "--hello-hmac-key-file"
+).split()
+
+
+def yeto_sync(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "yeto_sync", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
+
+
+def test_help_documents_every_flag() -> None:
+    result = yeto_sync("--help")
+    assert result.returncode == 0
+    for flag in PINNED_FLAGS:
+        assert flag in result.stdout, flag
+    for choice in ("heloco", "torch-svd", "tokens2-over-steps", "29400", "127.0.0.1"):
+        assert choice in result.stdout
+
+
+def test_print_profile_hash_is_the_pinned_digest_of_the_flags() -> None:
+    result = yeto_sync(
+        "--learners=3",
+        "--total-steps=1000",
+        "--quorum=2",
+        "--grace-ms=250",
+        "--pipeline=3",
+        "--delta-correction=none",
+        "--outer-lr=0.5",
+        "--checkpoint-path=/nowhere/ckpt",  # enables checkpoints; the path itself is excluded
+        "--max-base-lag=4",
+        "--learner-weight=equal",
+        "--print-profile-hash",
+    )
+    assert result.returncode == 0, result.stderr
+    # PINNED.md § HELLO and DATA_HELLO, "Syncer profile hash", field by field.
+    body = b"yeto-syncer-semantic-profile-v1\0" + struct.pack(
+        "<IIQddIQdBQQQBffBQBBB",
+        3,  # learners
+        2,  # quorum
+        250,  # grace_ms
+        0.8,  # grace_gamma
+        2.0,  # grace_tau
+        3,  # pipeline
+        0,  # min_round_interval_ms
+        24.0,  # sync_interval_steps
+        0,  # delta_correction none
+        900,  # quorum_timeout_s
+        900,  # final_ack_timeout_s = the quorum timeout
+        1000,  # total_steps
+        0,  # policy_sweep_fragments: absent
+        0.5,  # outer_lr
+        0.9,  # outer_momentum
+        1,  # checkpoint_enabled
+        8,  # checkpoint_every
+        0,  # resume
+        0,  # mark_final_checkpoint
+        0,  # learner_budget_steps: absent
+    )
+    body += struct.pack("<BQBB", 1, 4, 1, 0)  # max_base_lag present = 4, equal weights, binding
+    assert result.stdout == hashlib.sha256(body).hexdigest() + "\n"
+
+
+def test_refuses_to_start_over_an_existing_checkpoint(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.write_bytes(b"precious")
+    result = yeto_sync("--learners=1", "--total-steps=4", f"--checkpoint-path={checkpoint}")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert "exists" in line and "--resume" in line
+    assert checkpoint.read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--learners=0", "--total-steps=4"], "--learners"),
+        (["--learners=1", "--total-steps=4", "--resume"], "--checkpoint-path"),
+        (["--learners=1", "--total-steps=4", "--resume", "--checkpoint-path=/no/such"], "no "),
+        (["--learners=1", "--total-steps=4", "--hello-hmac-key-file=/no/such"], "key"),
+    ],
+)
+def test_bad_startup_input_is_one_line_and_exit_2(flags: list[str], words: str) -> None:
+    result = yeto_sync(*flags)
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("yeto-sync: error: ") and words in line
+
+
+def test_a_port_in_use_is_one_line_and_nonzero() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = yeto_sync("--learners=1", "--total-steps=4", "--host=127.0.0.1", f"--port={port}")
+    assert result.returncode == 1
+    (line,) = result.stderr.splitlines()
+    assert "cannot listen" in line
+
+
+def _play(learner: ScriptedLearner, failures: list[BaseException]) -> threading.Thread:
+    def play() -> None:
+        try:
+            learner.start()
+            learner.run(timeout=60)
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            learner.group.close()
+
+    thread = threading.Thread(target=play)
+    thread.start()
+    return thread
+
+
+def test_sigterm_keeps_the_last_checkpoint_and_resume_finishes_the_run(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    flags = [
+        "--learners=1",
+        "--total-steps=6",
+        "--sync-interval-steps=0",
+        f"--checkpoint-path={checkpoint}",
+        "--checkpoint-every=1",
+    ]
+    initial = [np.full(n, 0.5, np.float32) for n in LAYOUT.numels]
+    paused, resume = threading.Event(), threading.Event()
+
+    def pause_at_step_3(pull: object) -> None:
+        if getattr(pull, "global_step", 0) == 3:
+            paused.set()
+            resume.wait(30)
+
+    with Daemon(*flags) as first:
+        learner = ScriptedLearner(
+            LearnerGroup(first.address, SPEC, learner_id=0, generation=1, num_streams=1),
+            initial=initial,
+            before_push=pause_at_step_3,
+        )
+        failures: list[BaseException] = []
+        thread = _play(learner, failures)
+        wait_until(paused.is_set, 30, "step 3's PULL")
+        wait_until(lambda: "global_step=2" in first.stderr, 30, "the step-2 checkpoint")
+        started = time.monotonic()
+        first.signal(signal.SIGTERM)
+        code = first.wait(15)
+        assert time.monotonic() - started < 10
+        resume.set()
+        thread.join(30)
+    assert code == 128 + signal.SIGTERM
+    last = first.stderr.strip().splitlines()[-1]
+    assert "stopped by SIGTERM" in last and f"{checkpoint} at global_step 2" in last
+    assert read_checkpoint(checkpoint).global_step == 2
+    assert failures  # the learner saw its syncer go away
+
+    with Daemon(*flags, "--resume") as second:
+        learner = ScriptedLearner(
+            LearnerGroup(second.address, SPEC, learner_id=0, generation=2, num_streams=1)
+        )
+        failures = []
+        _play(learner, failures).join(60)
+        assert not failures, f"{failures!r}\n{second.stderr}"
+        assert second.wait(30) == 0, second.stderr
+    # Resumed at the checkpoint's versions (1 and 2), never from version 0.
+    assert sorted((f, v) for f, v, _ in learner.bcasts) == [
+        (0, 1),
+        (0, 3),
+        (0, 5),
+        (1, 2),
+        (1, 4),
+        (1, 6),
+    ]
+    assert read_checkpoint(checkpoint).global_step == 6
+
+
+def test_hello_authentication_from_a_key_file_or_the_environment(tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_bytes(b"s3cret\n")  # one trailing newline is not part of the key
+    flags = ["--learners=1", "--total-steps=2", "--sync-interval-steps=0"]
+    initial = [np.zeros(n, np.float32) for n in LAYOUT.numels]
+    for extra, env in (
+        ([f"--hello-hmac-key-file={key_file}"], {}),
+        ([], {"YETO_ISLAND_HMAC_KEY": "s3cret"}),
+    ):
+        with Daemon(*flags, *extra, env=env) as daemon:
+            forged = ScriptedLearner(
+                LearnerGroup(
+                    daemon.address,
+                    SPEC,
+                    learner_id=0,
+                    generation=7,
+                    num_streams=0,
+                    hello_key=b"guess",
+                )
+            )
+            forged.group.connect()
+            with pytest.raises(SyncerError) as refused:
+                forged.handle(forged.group.receive(10))
+            forged.group.close()
+            assert refused.value.text.startswith("HELLO authentication failed: ")
+            assert error_code(refused.value.text) == "HELLO_AUTH_FAILED"
+            honest = ScriptedLearner(
+                LearnerGroup(
+                    daemon.address,
+                    SPEC,
+                    learner_id=0,
+                    generation=8,
+                    num_streams=0,
+                    hello_key=b"s3cret",
+                ),
+                initial=initial,
+            )
+            failures: list[BaseException] = []
+            _play(honest, failures).join(60)
+            assert not failures, f"{failures!r}\n{daemon.stderr}"
+            assert daemon.wait(30) == 0

@@ -1,0 +1,295 @@
+"""The driver: actions run strictly in order, checkpoints are durable before what follows them,
+timers fire on the (fake) clock, ``Exit`` and stop requests shut the transport down."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+from yeto_proto import AnyMessage, ErrorMessage, IsoBackend, Limits, PullReq
+from yeto_proto.checkpoint import (
+    Checkpoint,
+    CheckpointFormat,
+    FragmentState,
+    LedgerEntry,
+    TrailerKind,
+    marker_state,
+    read_checkpoint,
+)
+from yeto_sync.driver import Driver, KeyValueLog, Outputs
+from yeto_sync.events import (
+    Action,
+    AppendTape,
+    CancelTimer,
+    ConnId,
+    Event,
+    Exit,
+    GroupKey,
+    Log,
+    Send,
+    SetTimer,
+    TimerFired,
+    WriteCheckpoint,
+    WriteFinalMarker,
+    WriteFinalState,
+)
+from yeto_sync.transport.memory import FakeClock
+
+KEY = GroupKey(0, 1)
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    anyio.run(test)
+
+
+def checkpoint_at(step: int) -> Checkpoint:
+    params = np.arange(6, dtype="<f4") * step
+    return Checkpoint(
+        format=CheckpointFormat.V3,
+        iso_backend=IsoBackend.SCALAR,
+        fingerprint=bytes(32),
+        global_step=step,
+        fragments=(FragmentState(step, params, np.zeros(6, dtype="<f4")),),
+        ledger=(LedgerEntry(0, step, 4 * step, 400 * step),),
+        contract=bytes(range(32)),
+        trailer=TrailerKind.FINGERPRINT_AND_CONTRACT,
+    )
+
+
+class Scripted:
+    """A stand-in coordinator that answers each event with the next scripted action list."""
+
+    def __init__(self, *scripts: Sequence[Action]) -> None:
+        self.scripts = list(scripts)
+        self.seen: list[tuple[Event, float]] = []
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        self.seen.append((event, now))
+        return list(self.scripts.pop(0)) if self.scripts else []
+
+
+class RecordingTransport:
+    """Records what the driver asks of it; ``on_send`` sees the world at each send."""
+
+    def __init__(self, on_send: Callable[[AnyMessage], object] = lambda m: None) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self.on_send = on_send
+        self.shutdown_grace: float | None = None
+
+    def admit(self, conn: ConnId, group: GroupKey, num_streams: int, limits: Limits) -> None:
+        self.calls.append(("admit", conn))
+
+    def refuse(self, conn: ConnId, error: ErrorMessage) -> None:
+        self.calls.append(("refuse", conn))
+
+    async def send(self, group: GroupKey, message: AnyMessage) -> None:
+        self.calls.append(("send", self.on_send(message)))
+
+    def close_group(self, group: GroupKey, error: ErrorMessage | None) -> None:
+        self.calls.append(("close", group))
+
+    async def shutdown(self, grace: float) -> None:
+        self.shutdown_grace = grace
+        self.calls.append(("shutdown", grace))
+
+
+def test_a_checkpoint_is_durable_before_the_send_that_follows_it(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.bin"
+
+    def on_send(message: AnyMessage) -> int:
+        return read_checkpoint(path).global_step  # must already be on disk, whole
+
+    async def scenario() -> None:
+        coordinator = Scripted(
+            [WriteCheckpoint(checkpoint_at(8)), Send(KEY, PullReq(0, 9, 1))],
+            [WriteCheckpoint(checkpoint_at(16), final=True), Send(KEY, PullReq(0, 17, 1))],
+        )
+        transport = RecordingTransport(on_send)
+        driver = Driver(coordinator, transport, FakeClock(), outputs=Outputs(checkpoint_path=path))
+        await driver.dispatch(TimerFired("a"))
+        await driver.dispatch(TimerFired("b"))
+        assert transport.calls == [("send", 8), ("send", 16)]
+        assert driver.last_checkpoint is not None
+        assert (driver.last_checkpoint.global_step, driver.last_checkpoint.final) == (16, True)
+
+    run(scenario)
+
+
+def test_timers_fire_in_time_order_and_can_be_replaced_or_cancelled() -> None:
+    async def scenario() -> None:
+        clock = FakeClock(100.0)
+        coordinator = Scripted(
+            [
+                SetTimer("late", 105.0),
+                SetTimer("early", 103.0),
+                SetTimer("gone", 101.0),
+                CancelTimer("gone"),
+                SetTimer("moved", 150.0),
+                SetTimer("moved", 104.0),
+            ]
+        )
+        driver = Driver(coordinator, RecordingTransport(), clock)
+        await driver.dispatch(TimerFired("start"))
+        assert driver.next_timer_at() == 103.0
+        clock.set(102.0)
+        assert not await driver.fire_due_timers()
+        clock.set(110.0)
+        assert await driver.fire_due_timers()
+        fired = [(e.key, now) for e, now in coordinator.seen[1:] if isinstance(e, TimerFired)]
+        assert fired == [("early", 110.0), ("moved", 110.0), ("late", 110.0)]
+        assert driver.next_timer_at() is None
+
+    run(scenario)
+
+
+def test_exit_shuts_the_transport_down_and_drops_later_actions(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        tape = tmp_path / "tape.jsonl"
+        coordinator = Scripted(
+            [
+                AppendTape({"step": np.int64(3), "gnorm": np.float32(0.5), "hash": b"\x01\x02"}),
+                Exit(0, "finalized"),
+                Send(KEY, PullReq(0, 1, 1)),
+            ]
+        )
+        transport = RecordingTransport()
+        driver = Driver(
+            coordinator,
+            transport,
+            FakeClock(),
+            outputs=Outputs(event_tape_path=tape),
+            log=KeyValueLog(io.StringIO()),
+            shutdown_grace=2.5,
+        )
+        await driver.dispatch(TimerFired("x"))
+        assert driver.exit == Exit(0, "finalized")
+        assert transport.calls == [("shutdown", 2.5)]
+        assert [json.loads(line) for line in tape.read_text().splitlines()] == [
+            {"step": 3, "gnorm": 0.5, "hash": "0102"}
+        ]
+        await driver.dispatch(TimerFired("ignored"))  # the run is over
+        assert len(coordinator.seen) == 1
+
+    run(scenario)
+
+
+def test_a_failed_checkpoint_write_ends_the_run_with_a_reason(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        missing_dir = tmp_path / "missing" / "ckpt.bin"
+        coordinator = Scripted([WriteCheckpoint(checkpoint_at(1)), Send(KEY, PullReq(0, 2, 1))])
+        transport = RecordingTransport()
+        driver = Driver(
+            coordinator,
+            transport,
+            FakeClock(),
+            outputs=Outputs(checkpoint_path=missing_dir),
+            log=KeyValueLog(io.StringIO()),
+        )
+        await driver.dispatch(TimerFired("x"))
+        assert driver.exit is not None and driver.exit.code == 1
+        assert "checkpoint write failed" in driver.exit.reason
+        assert ("send", None) not in transport.calls  # nothing after the failed write
+        assert driver.last_checkpoint is None
+
+    run(scenario)
+
+
+def test_final_marker_and_final_state(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        path, final_state = tmp_path / "ckpt.bin", tmp_path / "final.bin"
+        state = checkpoint_at(12)
+        coordinator = Scripted(
+            [WriteCheckpoint(state, final=True), WriteFinalMarker(12), WriteFinalState(state)]
+        )
+        driver = Driver(
+            coordinator,
+            RecordingTransport(),
+            FakeClock(),
+            outputs=Outputs(checkpoint_path=path, final_state_path=final_state),
+            log=KeyValueLog(io.StringIO()),
+        )
+        await driver.dispatch(TimerFired("x"))
+        assert marker_state(path, 12).status.name == "FINAL"
+        assert read_checkpoint(final_state).global_step == 12
+        np.testing.assert_array_equal(
+            read_checkpoint(final_state).fragments[0].params, state.fragments[0].params
+        )
+
+    run(scenario)
+
+
+class IdleSource:
+    """An event source with nothing to say: waits until the requested time, then ``None``."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    async def next_event(self, until: float | None) -> Event | None:
+        await anyio.sleep(math.inf if until is None else 0.01)
+        self.clock.set(max(self.clock.now(), until or 0.0))
+        return None
+
+
+def test_request_stop_ends_run_and_shuts_down() -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        transport = RecordingTransport()
+        driver = Driver(Scripted(), transport, clock, log=KeyValueLog(io.StringIO()))
+        async with anyio.create_task_group() as tasks:
+
+            async def stop_soon() -> None:
+                await anyio.sleep(0.05)
+                driver.request_stop(143, "stopped by SIGTERM")
+
+            tasks.start_soon(stop_soon)
+            with anyio.fail_after(5):
+                result = await driver.run(IdleSource(clock))
+        assert result == Exit(143, "stopped by SIGTERM")
+        assert transport.calls[-1][0] == "shutdown"
+
+    run(scenario)
+
+
+def test_run_feeds_due_timers_between_events() -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        coordinator = Scripted([SetTimer("t", 5.0)], [Exit(0, "done")])
+        driver = Driver(coordinator, RecordingTransport(), clock)
+        await driver.dispatch(TimerFired("boot"))
+        with anyio.fail_after(5):
+            result = await driver.run(IdleSource(clock))
+        assert result == Exit(0, "done")
+        assert coordinator.seen[1] == (TimerFired("t"), 5.0)
+
+    run(scenario)
+
+
+def test_key_value_log_lines() -> None:
+    stream = io.StringIO()
+    log = KeyValueLog(stream)
+    log("info", "round committed", {"step": 3, "ok": True, "why": 'a "b" c', "ids": [0, 1]})
+    log("debug", "hidden below info", {})
+    (line,) = stream.getvalue().splitlines()
+    ts, rest = line.split(" ", 1)
+    assert ts.startswith("ts=") and ts.endswith("Z")
+    assert rest == 'level=info msg="round committed" step=3 ok=true why="a \\"b\\" c" ids=[0,1]'
+
+
+@pytest.mark.parametrize("action", [Log("warning", "careful", {"n": 1})])
+def test_log_actions_reach_the_log(action: Log) -> None:
+    async def scenario() -> None:
+        stream = io.StringIO()
+        driver = Driver(
+            Scripted([action]), RecordingTransport(), FakeClock(), log=KeyValueLog(stream)
+        )
+        await driver.dispatch(TimerFired("x"))
+        assert "level=warning" in stream.getvalue() and "msg=careful n=1" in stream.getvalue()
+
+    run(scenario)

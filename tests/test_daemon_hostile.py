@@ -1,0 +1,237 @@
+"""Hostile peers against the running daemon: each gets an ERROR with the right code and is
+disconnected, while a good learner's session carries on to a clean finalization and the
+daemon's resident memory stays flat.
+
+Hostile connections that need an admitted group HELLO as learner 0 with a fresh generation and
+one data stream they never attach: such a group is admitted (its frames are decoded) but never
+becomes ready, so it never supersedes the good learner's generation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+from daemon_harness import Daemon, error_code, wait_until
+from scripted_learner import LearnerGroup, ScriptedLearner, SessionSpec
+
+from yeto_proto import (
+    FRAME_MAGIC,
+    Chunk,
+    ErrorMessage,
+    FrameDecoder,
+    FrameType,
+    Heartbeat,
+    Hello,
+    MergeMode,
+    PushFragment,
+    Role,
+    WireDtype,
+    WireFragment,
+    WireLayout,
+    encode_bytes,
+)
+
+LAYOUT = WireLayout((WireFragment(MergeMode.AVG, (50_000,)), WireFragment(MergeMode.AVG, (64,))))
+SPEC = SessionSpec(WireDtype.F32, LAYOUT, bytes(range(32)), bytes(range(40, 72)))
+TOTAL_STEPS = 6
+PAUSE_AT_STEP = 3
+ROUNDS_OF_HOSTILES = 6
+_generations = itertools.count(1000)
+
+
+def header(frame_type: int, length: int, magic: int = FRAME_MAGIC) -> bytes:
+    return struct.pack("<IBQ", magic, frame_type, length)
+
+
+def frame(frame_type: int, payload: bytes) -> bytes:
+    return header(frame_type, len(payload)) + payload
+
+
+def hello(learner_id: int = 0, layout: WireLayout = LAYOUT, num_streams: int = 1) -> bytes:
+    message = Hello(
+        learner_id,
+        next(_generations),
+        SPEC.dtype,
+        layout,
+        SPEC.fingerprint,
+        SPEC.contract,
+        num_streams,
+    )
+    return encode_bytes(message)
+
+
+def with_version(data: bytes, version: int) -> bytes:
+    return data[:13] + struct.pack("<H", version) + data[15:]
+
+
+def push(extra: bytes = b"") -> bytes:
+    data = np.zeros(64, "<f4").tobytes() + extra
+    body = encode_bytes(PushFragment(0, 1, 1, 1, 0, 1, 1, 1, memoryview(bytes(256))))[13:61]
+    return frame(FrameType.PUSH_FRAGMENT, body + data)
+
+
+def overlapping_chunks() -> bytes:
+    inner = encode_bytes(Heartbeat(0, 1))  # any bytes: the second CHUNK overlaps the first
+    first = encode_bytes(Chunk(0, 200, 0, memoryview(inner)))
+    return first + encode_bytes(Chunk(0, 200, 10, memoryview(inner)))
+
+
+#: (name, bytes to send, half-close afterwards, expected ERROR code, expected pinned prefix)
+CASES: list[tuple[str, Callable[[], bytes], bool, str, str]] = [
+    (
+        "bad magic",
+        lambda: header(FrameType.HELLO, 10, magic=0xDEADBEEF),
+        False,
+        "BAD_MAGIC",
+        "invalid first frame: ",
+    ),
+    (
+        "2^62 first frame",
+        lambda: header(FrameType.HELLO, 1 << 62),
+        False,
+        "FRAME_TOO_LARGE",
+        "invalid first frame: ",
+    ),
+    (
+        "unknown first type",
+        lambda: header(200, 0),
+        False,
+        "INVALID_FIRST_FRAME",
+        "invalid first frame: ",
+    ),
+    ("wrong version", lambda: with_version(hello(), 3), False, "UNSUPPORTED_VERSION", ""),
+    (
+        "truncated HELLO",
+        lambda: frame(FrameType.HELLO, hello()[13:40]),
+        False,
+        "TRUNCATED_PAYLOAD",
+        "",
+    ),
+    (
+        "trailing byte after HELLO",
+        lambda: frame(FrameType.HELLO, hello()[13:] + b"\0"),
+        False,
+        "BAD_HELLO_TAIL",
+        "",
+    ),
+    ("closed mid-frame", lambda: hello()[:30], True, "CONNECTION_CLOSED_MID_FRAME", ""),
+    ("learner id out of range", lambda: hello(learner_id=1), False, "LEARNER_ID_OUT_OF_RANGE", ""),
+    (
+        "mismatched layout",
+        lambda: hello(layout=WireLayout((WireFragment(MergeMode.AVG, (50_000, 64)),))),
+        False,
+        "SESSION_LAYOUT_MISMATCH",
+        "",
+    ),
+    ("unknown type in a group", lambda: hello() + header(200, 0), False, "UNKNOWN_FRAME_TYPE", ""),
+    (
+        "2^62 PUSH in a group",
+        lambda: hello() + header(FrameType.PUSH_FRAGMENT, 1 << 62),
+        False,
+        "FRAME_TOO_LARGE",
+        "",
+    ),
+    (
+        "trailing byte in HEARTBEAT",
+        lambda: hello() + frame(FrameType.HEARTBEAT, bytes(13)),
+        False,
+        "BAD_FRAME_LENGTH",
+        "",
+    ),
+    ("trailing byte in PUSH", lambda: hello() + push(b"\0"), False, "BAD_TENSOR_LENGTH", ""),
+    ("overlapping chunks", lambda: hello() + overlapping_chunks(), False, "CHUNK_OVERLAP", ""),
+]
+
+
+def read_error(sock: socket.socket) -> str:
+    """Read until the daemon closes; return the text of the one frame it sent, an ERROR."""
+    received = bytearray()
+    while chunk := sock.recv(65536):
+        received += chunk
+    decoder = FrameDecoder(Role.LEARNER, limits=SPEC.limits)
+    decoder.feed(bytes(received))
+    decoder.feed(b"")
+    frames = decoder.frames()
+    assert len(frames) == 1 and isinstance(frames[0], ErrorMessage), frames
+    return frames[0].text
+
+
+def attack(address: tuple[str, int], data: bytes, half_close: bool) -> str:
+    with socket.create_connection(address, timeout=10) as sock:
+        sock.sendall(data)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        return read_error(sock)
+
+
+def test_hostile_peers_get_their_errors_while_a_good_learner_is_served() -> None:
+    flags = [
+        "--learners=1",
+        f"--total-steps={TOTAL_STEPS}",
+        "--sync-interval-steps=0",
+    ]
+    with Daemon(*flags) as daemon:
+        # A peer that starts a HELLO and never finishes it: dropped at the 10 s deadline.
+        slow = socket.create_connection(daemon.address, timeout=20)
+        slow_started = time.monotonic()
+        slow.sendall(header(FrameType.HELLO, 500) + b"\x04\x00")
+
+        paused, resume = threading.Event(), threading.Event()
+
+        def before_push(pull: object) -> None:
+            if getattr(pull, "global_step", 0) == PAUSE_AT_STEP and not resume.is_set():
+                paused.set()
+                assert resume.wait(60), "never resumed"
+
+        good = ScriptedLearner(
+            LearnerGroup(daemon.address, SPEC, learner_id=0, generation=1, num_streams=2),
+            initial=[np.ones(n, np.float32) for n in LAYOUT.numels],
+            before_push=before_push,
+        )
+        failures: list[BaseException] = []
+
+        def play() -> None:
+            try:
+                good.start()
+                good.run(timeout=90)
+            except BaseException as exc:
+                failures.append(exc)
+            finally:
+                good.group.close()
+
+        player = threading.Thread(target=play)
+        player.start()
+        wait_until(paused.is_set, 30, "the good learner to reach its pause")
+
+        codes: dict[str, str] = {}
+        rss = []
+        for round_index in range(ROUNDS_OF_HOSTILES):
+            for name, make, half_close, _code, prefix in CASES:
+                text = attack(daemon.address, make(), half_close)
+                assert text.startswith(prefix), (name, text)
+                codes[name] = error_code(text)
+            if round_index == 0:
+                rss.append(daemon.rss_kib())  # after warm-up: allocator pools exist now
+        rss.append(daemon.rss_kib())
+        assert codes == {name: code for name, _, _, code, _ in CASES}
+
+        text = read_error(slow)
+        waited = time.monotonic() - slow_started
+        slow.close()
+        assert error_code(text) == "HANDSHAKE_TIMEOUT" and 9.0 <= waited < 20.0
+
+        assert player.is_alive() and not failures  # still in session, paused at its PULL
+        resume.set()
+        player.join(60)
+        assert not failures, f"{failures!r}\n{daemon.stderr}"
+        assert good.shut_down and daemon.wait(30) == 0, daemon.stderr
+
+    grown_kib = rss[1] - rss[0]
+    attacks = (ROUNDS_OF_HOSTILES - 1) * len(CASES)
+    assert grown_kib < 4 * 1024, f"RSS grew {grown_kib} KiB over {attacks} hostile connections"

@@ -1,0 +1,371 @@
+"""The TCP transport in-process: real loopback sockets, a stand-in coordinator, and the scripted
+learner's plain-socket group in a worker thread."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import pytest
+from scripted_learner import GroupClosed as LearnerGroupClosed
+from scripted_learner import LearnerGroup, SessionSpec
+
+from yeto_proto import (
+    FRAME_MAGIC,
+    BcastFragment,
+    ErrorMessage,
+    FrameDecoder,
+    FrameType,
+    Limits,
+    MergeMode,
+    PullReq,
+    PushFragment,
+    Role,
+    WireDtype,
+    WireFragment,
+    WireLayout,
+)
+from yeto_sync.driver import Driver, KeyValueLog
+from yeto_sync.events import (
+    Action,
+    AdmitGroup,
+    Event,
+    Exit,
+    GroupClosed,
+    GroupKey,
+    GroupReady,
+    HelloReceived,
+    MessageReceived,
+    Send,
+)
+from yeto_sync.transport import MonotonicClock
+from yeto_sync.transport.group import ConnectionGroups
+from yeto_sync.transport.tcp import SendQueue, TcpTransport
+
+BIG = 1_500_000  # 6 MB of f32: two CHUNKs per BCAST
+LAYOUT = WireLayout((WireFragment(MergeMode.AVG, (BIG,)), WireFragment(MergeMode.AVG, (64,))))
+SPEC = SessionSpec(WireDtype.F32, LAYOUT, bytes(range(32)), bytes(range(32, 64)))
+KEY = GroupKey(0, 1)
+T = TypeVar("T")
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    anyio.run(test)
+
+
+def run_and_return(coro: Awaitable[T]) -> T:
+    box: list[T] = []
+
+    async def main() -> None:
+        box.append(await coro)
+
+    anyio.run(main)
+    return box[0]
+
+
+def bcast(version: int) -> BcastFragment:
+    return BcastFragment(0, version, (np.arange(BIG, dtype="<f4") * version).view(np.uint8).data)
+
+
+class Stand_in:  # noqa: N801 - reads as what it is
+    """Admits every HELLO; ``on_ready`` and ``on_message`` script the rest."""
+
+    def __init__(
+        self,
+        on_ready: Callable[[GroupKey], Sequence[Action]] = lambda key: [],
+        on_message: Callable[[MessageReceived], Sequence[Action]] = lambda event: [],
+    ) -> None:
+        self.on_ready = on_ready
+        self.on_message = on_message
+        self.events: list[Event] = []
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        self.events.append(event)
+        match event:
+            case HelloReceived(conn=conn, hello=hello):
+                key = GroupKey(hello.learner_id, hello.generation)
+                limits = Limits.of(hello.dtype, hello.layout)
+                return [AdmitGroup(conn, key, hello.num_streams, limits)]
+            case GroupReady(group=group):
+                return list(self.on_ready(group))
+            case MessageReceived():
+                return list(self.on_message(event))
+        return []
+
+
+async def serve(
+    coordinator: Stand_in,
+    learner: Callable[[tuple[str, int]], object],
+    *,
+    groups: ConnectionGroups | None = None,
+    send_queue_bytes: int = 64 << 20,
+    stall_timeout: float = 60.0,
+) -> tuple[Exit, object]:
+    """Run the driver on a fresh TCP transport while ``learner(address)`` runs in a thread."""
+    groups = groups or ConnectionGroups(2)
+    clock = MonotonicClock()
+    outcome: dict[str, object] = {}
+    async with TcpTransport.serve(
+        groups,
+        clock,
+        "127.0.0.1",
+        0,
+        send_queue_bytes=send_queue_bytes,
+        stall_timeout=stall_timeout,
+    ) as transport:
+        driver = Driver(coordinator, transport, clock, log=KeyValueLog(min_level="error"))
+
+        async def client() -> None:
+            outcome["learner"] = await anyio.to_thread.run_sync(learner, transport.address)
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(client)
+                outcome["exit"] = await driver.run(transport)
+    exit_action = outcome["exit"]
+    assert isinstance(exit_action, Exit)
+    return exit_action, outcome.get("learner")
+
+
+def drain_until_closed(group: LearnerGroup) -> list[object]:
+    received: list[object] = []
+    try:
+        while True:
+            received.append(group.receive(10.0))
+    except LearnerGroupClosed:
+        return received
+
+
+def test_striped_frames_cross_real_sockets_both_ways() -> None:
+    pushes: list[PushFragment] = []
+
+    def on_message(event: MessageReceived) -> list[Action]:
+        assert isinstance(event.message, PushFragment)
+        pushes.append(event.message)
+        return [Exit(0, "got the push")]
+
+    def learner(address: tuple[str, int]) -> list[object]:
+        group = LearnerGroup(address, SPEC, learner_id=0, generation=1, num_streams=3)
+        group.connect()
+        try:
+            first, second = group.receive(), group.receive()
+            delta = np.linspace(-1, 1, BIG, dtype="<f4")
+            group.send(PushFragment(0, 0, 1, 1, 0, 4, 4, 400, delta.view(np.uint8).data))
+            return [first, second, *drain_until_closed(group)]
+        finally:
+            group.close()
+
+    coordinator = Stand_in(
+        on_ready=lambda key: [
+            Send(key, bcast(1)),
+            Send(key, PullReq(0, 1, 1)),
+            Send(key, bcast(2)),
+        ],
+        on_message=on_message,
+    )
+    exit_action, received = run_and_return(serve(coordinator, learner))
+    assert exit_action == Exit(0, "got the push")
+    assert isinstance(received, list)
+    bcasts = [m for m in received if isinstance(m, BcastFragment)]
+    # Stripes may overtake the control stream: compare as a set of (version, bytes).
+    assert sorted((b.version, bytes(b.data)) for b in bcasts) == [
+        (1, bytes(bcast(1).data)),
+        (2, bytes(bcast(2).data)),
+    ]
+    assert PullReq(0, 1, 1) in received
+    (push,) = pushes
+    np.testing.assert_array_equal(
+        np.frombuffer(push.data, "<f4"), np.linspace(-1, 1, BIG, dtype="<f4")
+    )
+
+
+def test_error_reaches_the_peer_before_the_whole_group_closes() -> None:
+    closed: list[GroupClosed] = []
+
+    class Recorder(Stand_in):
+        def handle(self, event: Event, now: float) -> list[Action]:
+            if isinstance(event, GroupClosed):
+                closed.append(event)
+                return [Exit(0, "group closed")]
+            return super().handle(event, now)
+
+    def learner(address: tuple[str, int]) -> list[object]:
+        group = LearnerGroup(address, SPEC, learner_id=0, generation=1, num_streams=2)
+        group.connect()
+        try:
+            time.sleep(0.2)  # let the group become ready
+            bad = struct.pack("<IBQ", 0xBADC0FFE, FrameType.HEARTBEAT, 12) + bytes(12)
+            group.sockets[2].sendall(bad + b"junk that keeps coming" * 1000)
+            return drain_until_closed(group)
+        finally:
+            group.close()
+
+    exit_action, received = run_and_return(serve(Recorder(), learner))
+    assert exit_action == Exit(0, "group closed")
+    assert isinstance(received, list) and len(received) == 1
+    (error,) = received
+    assert isinstance(error, ErrorMessage) and error.text.startswith("BAD_MAGIC: ")
+    assert closed[0].group == KEY and closed[0].reason == error.text
+
+
+def _read_until_eof(sock: socket.socket) -> bytes:
+    data = bytearray()
+    while chunk := sock.recv(65536):
+        data += chunk
+    return bytes(data)
+
+
+def test_a_peer_that_never_finishes_its_hello_is_dropped() -> None:
+    def slow_peer(address: tuple[str, int]) -> tuple[float, bytes]:
+        started = time.monotonic()
+        with socket.create_connection(address, timeout=10) as sock:
+            sock.sendall(struct.pack("<IBQ", FRAME_MAGIC, FrameType.HELLO, 100) + b"\0" * 10)
+            data = _read_until_eof(sock)
+            return time.monotonic() - started, data
+
+    async def scenario() -> tuple[float, bytes]:
+        groups = ConnectionGroups(2, handshake_timeout=0.3)
+        async with TcpTransport.serve(groups, MonotonicClock(), "127.0.0.1", 0) as transport:
+            async with anyio.create_task_group() as tasks:
+
+                async def pump_events() -> None:  # no coordinator: only deadlines matter here
+                    while True:
+                        await transport.next_event(None)
+
+                tasks.start_soon(pump_events)
+                with anyio.fail_after(10):
+                    outcome = await anyio.to_thread.run_sync(slow_peer, transport.address)
+                tasks.cancel_scope.cancel()
+        return outcome
+
+    elapsed, data = run_and_return(scenario())
+    assert 0.25 <= elapsed < 5.0
+    decoder = FrameDecoder(Role.LEARNER, limits=Limits.of(WireDtype.F32, LAYOUT))
+    decoder.feed(data)
+    (error,) = decoder.frames()
+    assert isinstance(error, ErrorMessage)
+    assert error.text.startswith("HANDSHAKE_TIMEOUT: ")
+
+
+def test_a_peer_that_stops_reading_is_dropped_and_others_carry_on() -> None:
+    def on_ready(key: GroupKey) -> list[Action]:
+        if key.learner_id == 0:  # the stuck one: more than its queue and socket buffers hold
+            return [Send(key, bcast(v)) for v in range(1, 40)]
+        return [Send(key, PullReq(1, 1, 1))]
+
+    def on_message(event: MessageReceived) -> list[Action]:
+        return [Exit(0, "the other learner answered")]
+
+    def learners(address: tuple[str, int]) -> str:
+        stuck = LearnerGroup(address, SPEC, learner_id=0, generation=1, num_streams=1)
+        stuck.connect()  # and never reads
+        healthy = LearnerGroup(address, SPEC, learner_id=1, generation=1, num_streams=0)
+        try:
+            time.sleep(0.1)
+            healthy.connect()
+            pull = healthy.receive(20.0)
+            assert pull == PullReq(1, 1, 1)
+            healthy.send(PushFragment(1, 1, 1, 1, 0, 4, 4, 400, memoryview(bytes(256))))
+            return "answered"
+        finally:
+            healthy.close()
+            stuck.close()
+
+    coordinator = Stand_in(on_ready=on_ready, on_message=on_message)
+    exit_action, outcome = run_and_return(
+        serve(coordinator, learners, send_queue_bytes=1 << 20, stall_timeout=0.5)
+    )
+    assert outcome == "answered"
+    assert exit_action == Exit(0, "the other learner answered")
+    closed = [e for e in coordinator.events if isinstance(e, GroupClosed)]
+    assert [e.group for e in closed] == [KEY]
+    assert "send queue full" in closed[0].reason or "stalled" in closed[0].reason
+
+
+def test_exit_flushes_queued_frames_before_closing() -> None:
+    def learner(address: tuple[str, int]) -> list[object]:
+        group = LearnerGroup(address, SPEC, learner_id=0, generation=1, num_streams=2)
+        group.connect()
+        try:
+            return drain_until_closed(group)
+        finally:
+            group.close()
+
+    coordinator = Stand_in(
+        on_ready=lambda key: [Send(key, bcast(v)) for v in (1, 2, 3)] + [Exit(0, "bye")]
+    )
+    exit_action, received = run_and_return(serve(coordinator, learner))
+    assert exit_action == Exit(0, "bye")
+    assert isinstance(received, list)
+    assert sorted(m.version for m in received if isinstance(m, BcastFragment)) == [1, 2, 3]
+
+
+# -- the send queue ------------------------------------------------------------------------------
+def test_send_queue_bounds_bytes_and_pushes_back() -> None:
+    async def scenario() -> None:
+        queue = SendQueue(max_bytes=100)
+        assert await queue.put([b"x" * 80], 80)
+        assert await queue.put([b"y" * 20], 20)
+        order: list[str] = []
+
+        async def producer() -> None:
+            await queue.put([b"z" * 50], 50)  # waits: 100 + 50 > 100
+            order.append("put")
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(producer)
+            await anyio.sleep(0.05)
+            assert order == [] and queue.queued_bytes == 100
+            assert await queue.get() == [b"x" * 80]
+            await anyio.sleep(0.05)
+            assert order == ["put"] and queue.queued_bytes == 70
+
+    run(scenario)
+
+
+def test_send_queue_admits_an_oversized_frame_when_empty_and_closes_cleanly() -> None:
+    async def scenario() -> None:
+        queue = SendQueue(max_bytes=10)
+        assert await queue.put([b"big" * 100], 300)
+        queue.close(last=[b"error"], discard=True)
+        assert await queue.get() == [b"error"]
+        assert await queue.get() is None
+        assert not await queue.put([b"late"], 4)
+
+    run(scenario)
+
+
+def test_send_queue_close_without_discard_keeps_what_is_queued() -> None:
+    async def scenario() -> None:
+        queue = SendQueue(max_bytes=1000)
+        await queue.put([b"a"], 1)
+        await queue.put([b"b"], 1)
+        queue.close(discard=False)
+        assert [await queue.get(), await queue.get(), await queue.get()] == [[b"a"], [b"b"], None]
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("size", [1, 1 << 20])
+def test_send_queue_get_waits_for_a_frame(size: int) -> None:
+    async def scenario() -> None:
+        queue = SendQueue(max_bytes=1 << 30)
+        got: list[object] = []
+
+        async def consumer() -> None:
+            got.append(await queue.get())
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(consumer)
+            await anyio.sleep(0.02)
+            assert got == []
+            await queue.put([bytes(size)], size)
+        assert got == [[bytes(size)]]
+
+    run(scenario)

@@ -1,0 +1,350 @@
+"""``yeto-sync``: the syncer daemon, a drop-in for the reference syncer's flags.
+
+Once the listener is bound it prints exactly one line, ``yeto-sync listening on HOST:PORT``, to
+stdout (with ``--port 0``, the port the system chose). Structured ``key=value`` log lines go to
+stderr. Exit status: 0 after a completed finalization (or a benchmark cutoff); 2 for bad flags,
+an unreadable key or checkpoint, or an existing checkpoint without ``--resume``; otherwise the
+coordinator's failure code (1), or 128 + the signal number after SIGINT/SIGTERM. The last stderr
+line always says why the syncer stopped and which checkpoint (path and global step) it kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+
+from yeto_proto.checkpoint import Checkpoint, read_checkpoint
+from yeto_proto.constants import IsoBackend
+from yeto_proto.errors import ProtocolError
+from yeto_proto.identity import DeltaCorrection, LearnerWeight
+
+from .config import DEFAULT_HOST, DEFAULT_PORT, SyncerConfig
+from .coordinator import Coordinator
+from .driver import Driver, KeyValueLog, Outputs
+from .events import Exit
+from .transport import MonotonicClock
+from .transport.group import ConnectionGroups
+from .transport.tcp import TcpTransport
+
+PROG = "yeto-sync"
+EXIT_BAD_INPUT = 2
+EXIT_FAILURE = 1
+HMAC_KEY_ENV = "YETO_ISLAND_HMAC_KEY"
+
+_DELTA_CORRECTIONS = {"heloco": DeltaCorrection.HELOCO, "none": DeltaCorrection.NONE}
+_ISO_BACKENDS = {"scalar": IsoBackend.SCALAR, "torch-svd": IsoBackend.TORCH_SVD}
+_LEARNER_WEIGHTS = {
+    "tokens2-over-steps": LearnerWeight.TOKENS2_OVER_STEPS,
+    "equal": LearnerWeight.EQUAL,
+}
+
+
+class BadInput(Exception):
+    """A startup problem the operator must fix; its text is the one stderr line."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=(
+            "The YETO v4 syncer: owns the global model and the outer optimizer, pulls fragment "
+            "deltas from M learners, merges them and broadcasts the result."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    net = parser.add_argument_group("listener")
+    net.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
+    net.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="TCP port; 0 picks any free port"
+    )
+    net.add_argument(
+        "--hello-hmac-key-file",
+        type=Path,
+        metavar="PATH",
+        help=(
+            "require HELLOs authenticated with HMAC-SHA256 under the key in this file (its raw "
+            f"bytes, one trailing newline removed); default: the environment variable "
+            f"{HMAC_KEY_ENV} (UTF-8) if set, else no authentication"
+        ),
+    )
+
+    rounds = parser.add_argument_group("session and rounds")
+    rounds.add_argument(
+        "--learners", type=int, required=True, help="M: learner ids are 0..M-1 (required)"
+    )
+    rounds.add_argument(
+        "--total-steps", type=int, required=True, help="ordinary rounds to run (required)"
+    )
+    rounds.add_argument("--quorum", type=int, default=1, help="K: responses a round needs")
+    rounds.add_argument(
+        "--grace-ms", type=int, default=1000, help="cap of the adaptive grace window after K"
+    )
+    rounds.add_argument("--grace-gamma", type=float, default=0.8, help="grace window factor γ")
+    rounds.add_argument("--grace-tau", type=float, default=2.0, help="grace window factor τ")
+    rounds.add_argument(
+        "--pipeline", type=int, default=2, help="rounds in flight (capped at the fragment count)"
+    )
+    rounds.add_argument(
+        "--min-round-interval-ms", type=int, default=0, help="least time between launches"
+    )
+    rounds.add_argument(
+        "--sync-interval-steps",
+        type=float,
+        default=24.0,
+        help="H: launch pacing is H × the slowest learner's step time / fragments",
+    )
+    rounds.add_argument(
+        "--quorum-timeout-s",
+        type=int,
+        default=900,
+        help="an attempt below quorum after this long is discarded and retried",
+    )
+    rounds.add_argument(
+        "--max-base-lag",
+        type=int,
+        help="reject PUSHes whose base version is more than this many versions stale",
+    )
+    rounds.add_argument(
+        "--learner-budget-steps",
+        type=int,
+        help="benchmark cutoff: the positive learner step budget every learner also received",
+    )
+    rounds.add_argument(
+        "--require-profile-binding",
+        action="store_true",
+        help="refuse HELLOs that omit the syncer profile hash",
+    )
+
+    merge = parser.add_argument_group("merge and outer optimizer")
+    merge.add_argument(
+        "--delta-correction",
+        choices=tuple(_DELTA_CORRECTIONS),
+        default="heloco",
+        help="directional correction of each outer gradient against the momentum",
+    )
+    merge.add_argument(
+        "--learner-weight",
+        choices=tuple(_LEARNER_WEIGHTS),
+        default="tokens2-over-steps",
+        help="learner weight: c_tokens² / c_steps, or equal",
+    )
+    merge.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate")
+    merge.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum")
+    merge.add_argument(
+        "--iso-backend",
+        choices=tuple(_ISO_BACKENDS),
+        default="scalar",
+        help="exact SVD backend of iso fragments",
+    )
+    merge.add_argument(
+        "--iso-worker-queue-capacity",
+        type=int,
+        default=16,
+        help="queued plus running SVD jobs the iso worker pool admits",
+    )
+
+    state = parser.add_argument_group("checkpoints and outputs")
+    state.add_argument(
+        "--checkpoint-path", type=Path, metavar="PATH", help="V3 checkpoint file (atomic writes)"
+    )
+    state.add_argument(
+        "--checkpoint-every", type=int, default=8, help="checkpoint every N committed steps"
+    )
+    state.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoint at --checkpoint-path (required if it exists)",
+    )
+    state.add_argument(
+        "--mark-final-checkpoint",
+        action="store_true",
+        help="write <checkpoint-path>.final after the terminal checkpoint",
+    )
+    state.add_argument(
+        "--final-state", type=Path, metavar="PATH", help="also write the final state here (V3)"
+    )
+    state.add_argument(
+        "--event-tape", type=Path, metavar="PATH", help="append one JSON line per merge here"
+    )
+    state.add_argument(
+        "--final-ack-timeout-s",
+        type=int,
+        default=None,
+        help="seconds to wait for every FINAL_ACK (default: --quorum-timeout-s)",
+    )
+    parser.add_argument(
+        "--print-profile-hash",
+        action="store_true",
+        help="print the hex SHA-256 of this configuration's syncer profile and exit",
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> SyncerConfig:
+    return SyncerConfig(
+        learners=args.learners,
+        total_steps=args.total_steps,
+        host=args.host,
+        port=args.port,
+        quorum=args.quorum,
+        grace_ms=args.grace_ms,
+        grace_gamma=args.grace_gamma,
+        grace_tau=args.grace_tau,
+        pipeline=args.pipeline,
+        min_round_interval_ms=args.min_round_interval_ms,
+        sync_interval_steps=args.sync_interval_steps,
+        delta_correction=_DELTA_CORRECTIONS[args.delta_correction],
+        quorum_timeout_s=args.quorum_timeout_s,
+        final_ack_timeout_s=args.final_ack_timeout_s,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        iso_backend=_ISO_BACKENDS[args.iso_backend],
+        iso_worker_queue_capacity=args.iso_worker_queue_capacity,
+        final_state=args.final_state,
+        checkpoint_path=args.checkpoint_path,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        mark_final_checkpoint=args.mark_final_checkpoint,
+        learner_budget_steps=args.learner_budget_steps,
+        event_tape=args.event_tape,
+        max_base_lag=args.max_base_lag,
+        learner_weight=_LEARNER_WEIGHTS[args.learner_weight],
+        require_profile_binding=args.require_profile_binding,
+        print_profile_hash=args.print_profile_hash,
+        hello_hmac_key_file=args.hello_hmac_key_file,
+    )
+
+
+def load_hello_key(config: SyncerConfig) -> bytes | None:
+    """The HELLO authentication key: the key file, else the environment, else none."""
+    if config.hello_hmac_key_file is not None:
+        try:
+            key = config.hello_hmac_key_file.read_bytes()
+        except OSError as exc:
+            raise BadInput(
+                f"cannot read --hello-hmac-key-file {config.hello_hmac_key_file}: "
+                f"{exc.strerror or exc}"
+            ) from None
+        key = key.removesuffix(b"\n").removesuffix(b"\r")
+    else:
+        text = os.environ.get(HMAC_KEY_ENV)
+        if text is None:
+            return None
+        key = text.encode("utf-8")
+    if not key:
+        raise BadInput("the HELLO authentication key is empty")
+    return key
+
+
+def load_resume_checkpoint(config: SyncerConfig) -> Checkpoint | None:
+    """Refuse to overwrite a checkpoint without ``--resume``; with it, read the checkpoint."""
+    path = config.checkpoint_path
+    if path is None:
+        if config.resume:
+            raise BadInput("--resume needs --checkpoint-path")
+        return None
+    if not config.resume:
+        if path.exists():
+            raise BadInput(
+                f"checkpoint {path} exists; pass --resume to continue from it, or move it away"
+            )
+        return None
+    if not path.exists():
+        raise BadInput(f"--resume: no checkpoint at {path}")
+    try:
+        return read_checkpoint(path)
+    except ProtocolError as exc:
+        raise BadInput(f"--resume: cannot read checkpoint {path}: {exc}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help (0) and on usage errors (2)
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+    try:
+        config = config_from_args(args)
+        if config.print_profile_hash:
+            print(config.profile().digest().hex(), flush=True)
+            return 0
+        hello_key = load_hello_key(config)
+        checkpoint = load_resume_checkpoint(config)
+        coordinator = Coordinator(config, checkpoint=checkpoint)
+    except (BadInput, ValueError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    try:
+        exit_action, kept = anyio.run(_serve, config, coordinator, hello_key)
+    except OSError as exc:
+        print(
+            f"{PROG}: error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_FAILURE
+    except KeyboardInterrupt:  # before the signal handlers were installed
+        print(f"{PROG}: interrupted while starting; no checkpoint written", file=sys.stderr)
+        return 128 + signal.SIGINT
+    print(f"{PROG}: {exit_action.reason}; {kept}", file=sys.stderr, flush=True)
+    return exit_action.code
+
+
+async def _serve(
+    config: SyncerConfig, coordinator: Coordinator, hello_key: bytes | None
+) -> tuple[Exit, str]:
+    log = KeyValueLog(sys.stderr)
+    clock = MonotonicClock()
+    groups = ConnectionGroups(config.learners, hello_key=hello_key, log=log)
+    outputs = Outputs(
+        checkpoint_path=config.checkpoint_path,
+        final_state_path=config.final_state,
+        event_tape_path=config.event_tape,
+    )
+    async with TcpTransport.serve(groups, clock, config.host, config.port, log=log) as transport:
+        host, port = transport.address
+        driver = Driver(coordinator, transport, clock, outputs=outputs, log=log)
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(_stop_on_signal, driver)
+            log(
+                "info",
+                "listening",
+                {
+                    "host": host,
+                    "port": port,
+                    "learners": config.learners,
+                    "total_steps": config.total_steps,
+                    "hello_auth": hello_key is not None,
+                },
+            )
+            print(f"{PROG} listening on {host}:{port}", flush=True)
+            try:
+                exit_action = await driver.run(transport)
+            except Exception as exc:  # a bug: keep the traceback in the log, end in one line
+                log("error", "internal error", {"traceback": traceback.format_exc()})
+                exit_action = Exit(EXIT_FAILURE, f"internal error: {exc!r}")
+            tasks.cancel_scope.cancel()
+    return exit_action, _kept_state(driver)
+
+
+async def _stop_on_signal(driver: Driver) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+        async for signum in received:
+            name = signal.Signals(signum).name
+            driver.request_stop(128 + signum, f"stopped by {name}")
+            return
+
+
+def _kept_state(driver: Driver) -> str:
+    kept = driver.last_checkpoint
+    if kept is None:
+        return "no checkpoint was written"
+    kind = "final checkpoint" if kept.final else "last durable checkpoint"
+    return f"{kind} {kept.path} at global_step {kept.global_step}"

@@ -1,0 +1,306 @@
+"""The driver: runs a coordinator on a transport, carrying out its actions strictly in order.
+
+For each event it asks the coordinator for actions and executes them one after another before
+it looks at the next event: an ``AdmitGroup`` is in place before the next socket's bytes are
+read, and a ``WriteCheckpoint`` is durable (atomically replaced and fsynced, by the checkpoint
+module's writer in a worker thread) before a ``Send`` that follows it is queued, so a BCAST
+never leaves ahead of the checkpoint that covers it. Timers run on the injected clock.
+``Exit`` flushes what is queued to still-connected groups within a grace deadline, closes the
+transport and ends :meth:`Driver.run` with the exit code.
+
+The driver also owns the syncer's file outputs (event tape, checkpoints, final marker, final
+state) and its structured ``key=value`` log on stderr.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from yeto_proto import ProtocolError
+from yeto_proto.checkpoint import Checkpoint, write_checkpoint, write_final_marker
+
+from .events import (
+    Action,
+    AdmitGroup,
+    AppendTape,
+    CancelTimer,
+    CloseGroup,
+    Event,
+    Exit,
+    Log,
+    RefuseConnection,
+    Send,
+    SetTimer,
+    TimerFired,
+    WriteCheckpoint,
+    WriteFinalMarker,
+    WriteFinalState,
+)
+from .transport import Clock, EventSource, Transport
+
+#: Seconds an ``Exit`` (or a signal) gives queued frames to reach still-connected learners.
+SHUTDOWN_GRACE_S = 5.0
+EXIT_FAILURE = 1
+
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+
+
+class CoordinatorLike(Protocol):
+    def handle(self, event: Event, now: float) -> Sequence[Action]: ...
+
+
+# -- structured log ------------------------------------------------------------------------------
+def _log_value(value: object) -> str:
+    if isinstance(value, bool) or value is None:
+        text = json.dumps(value)
+    elif isinstance(value, int | float):
+        text = repr(value)
+    elif isinstance(value, bytes):
+        text = value.hex()
+    elif isinstance(value, str):
+        text = value
+    else:
+        text = json.dumps(value, default=str, separators=(",", ":"))
+    if not text or any(c in text for c in ' "=\\\n\t'):
+        return json.dumps(text)
+    return text
+
+
+class KeyValueLog:
+    """``ts=… level=… msg="…" key=value …`` lines, one per record, flushed at once."""
+
+    def __init__(self, stream: TextIO | None = None, *, min_level: str = "info") -> None:
+        self._stream = stream
+        self._min = _LEVELS[min_level]
+
+    def __call__(self, level: str, text: str, fields: Mapping[str, object]) -> None:
+        if _LEVELS.get(level, 20) < self._min:
+            return
+        now = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        parts = [f"ts={now}", f"level={level}", f"msg={_log_value(text)}"]
+        parts += [f"{key}={_log_value(value)}" for key, value in fields.items()]
+        stream = self._stream if self._stream is not None else sys.stderr
+        stream.write(" ".join(parts) + "\n")
+        stream.flush()
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).hex()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+# -- the driver ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Outputs:
+    """Where the file actions write; ``None`` for an output that is not configured."""
+
+    checkpoint_path: Path | None = None
+    final_state_path: Path | None = None
+    event_tape_path: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DurableCheckpoint:
+    path: Path
+    global_step: int
+    final: bool
+
+
+class Driver:
+    def __init__(
+        self,
+        coordinator: CoordinatorLike,
+        transport: Transport,
+        clock: Clock,
+        *,
+        outputs: Outputs | None = None,
+        log: Callable[[str, str, Mapping[str, object]], None] | None = None,
+        shutdown_grace: float = SHUTDOWN_GRACE_S,
+    ) -> None:
+        self.coordinator = coordinator
+        self.transport = transport
+        self.clock = clock
+        self.outputs = outputs if outputs is not None else Outputs()
+        self._log = log if log is not None else KeyValueLog()
+        self.shutdown_grace = shutdown_grace
+        self._timers: dict[str, float] = {}
+        self._tape: TextIO | None = None
+        self._run_scope: anyio.CancelScope | None = None
+        self._stop_request: Exit | None = None
+        #: Set once an ``Exit`` ran (or the driver had to stop); the run is over.
+        self.exit: Exit | None = None
+        #: The last checkpoint known to be durable on disk.
+        self.last_checkpoint: DurableCheckpoint | None = None
+
+    # -- one event ---------------------------------------------------------------------------
+    async def dispatch(self, event: Event) -> None:
+        """Feed one event to the coordinator and carry out its actions, in order."""
+        if self.exit is not None:
+            return
+        actions = self.coordinator.handle(event, self.clock.now())
+        for index, action in enumerate(actions):
+            if self.exit is not None:
+                self._log(
+                    "warning",
+                    "actions after exit dropped",
+                    {"dropped": len(actions) - index},
+                )
+                return
+            await self._execute(action)
+
+    async def _execute(self, action: Action) -> None:
+        match action:
+            case Send(group=group, message=message):
+                await self.transport.send(group, message)
+            case AdmitGroup(conn=conn, group=group, num_streams=num_streams, limits=limits):
+                self.transport.admit(conn, group, num_streams, limits)
+            case RefuseConnection(conn=conn, error=error):
+                self.transport.refuse(conn, error)
+            case CloseGroup(group=group, error=error):
+                self.transport.close_group(group, error)
+            case SetTimer(key=key, at=at):
+                self._timers[key] = at
+            case CancelTimer(key=key):
+                self._timers.pop(key, None)
+            case Log(level=level, text=text, fields=fields):
+                self._log(level, text, fields)
+            case AppendTape(record=record):
+                self._append_tape(record)
+            case WriteCheckpoint(state=state, final=final):
+                await self._write_checkpoint(state, final)
+            case WriteFinalMarker(global_step=step):
+                await self._write_marker(step)
+            case WriteFinalState(state=state):
+                await self._write_final_state(state)
+            case Exit():
+                await self._finish(action)
+
+    # -- timers ----------------------------------------------------------------------------
+    def next_timer_at(self) -> float | None:
+        return min(self._timers.values(), default=None)
+
+    async def fire_due_timers(self) -> bool:
+        """Fire every timer due by now, earliest first; True if any fired."""
+        fired = False
+        while self.exit is None:
+            now = self.clock.now()
+            due = [(at, key) for key, at in self._timers.items() if at <= now]
+            if not due:
+                break
+            _, key = min(due)
+            del self._timers[key]
+            fired = True
+            await self.dispatch(TimerFired(key))
+        return fired
+
+    # -- the loop --------------------------------------------------------------------------
+    async def run(self, source: EventSource) -> Exit:
+        """Run until an ``Exit`` (or :meth:`request_stop`); return it."""
+        with anyio.CancelScope() as self._run_scope:
+            while self.exit is None:
+                if await self.fire_due_timers():
+                    continue
+                event = await source.next_event(self.next_timer_at())
+                if event is not None:
+                    await self.dispatch(event)
+        if self.exit is None:
+            stop = self._stop_request or Exit(EXIT_FAILURE, "stopped")
+            with anyio.CancelScope(shield=True):
+                await self._finish(stop)
+        assert self.exit is not None
+        return self.exit
+
+    def request_stop(self, code: int, reason: str) -> None:
+        """Stop :meth:`run` now (a signal): cancel what is in progress, then shut down."""
+        if self._stop_request is None:
+            self._stop_request = Exit(code, reason)
+        if self._run_scope is not None:
+            self._run_scope.cancel()
+
+    async def _finish(self, exit_action: Exit) -> None:
+        self.exit = exit_action
+        self._timers.clear()
+        try:
+            await self.transport.shutdown(self.shutdown_grace)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._tape is not None:
+            self._tape.close()
+            self._tape = None
+
+    def _fail(self, reason: str) -> Exit:
+        self._log("error", "syncer exiting", {"code": EXIT_FAILURE, "reason": reason})
+        return Exit(EXIT_FAILURE, reason)
+
+    # -- files -----------------------------------------------------------------------------
+    def _append_tape(self, record: Mapping[str, Any]) -> None:
+        path = self.outputs.event_tape_path
+        if path is None:
+            return
+        if self._tape is None:
+            self._tape = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+        line = json.dumps(record, default=_json_default, separators=(",", ":"), allow_nan=False)
+        self._tape.write(line + "\n")
+        self._tape.flush()
+
+    async def _write_checkpoint(self, state: object, final: bool) -> None:
+        path = self.outputs.checkpoint_path
+        if path is None:
+            self._log("error", "checkpoint requested without --checkpoint-path", {})
+            return
+        if not isinstance(state, Checkpoint):
+            raise TypeError(f"WriteCheckpoint carries {type(state).__name__}, not a Checkpoint")
+        if await self._write_file("checkpoint", write_checkpoint, path, state):
+            self.last_checkpoint = DurableCheckpoint(path, state.global_step, final)
+            self._log(
+                "info",
+                "checkpoint written",
+                {"path": str(path), "global_step": state.global_step, "final": final},
+            )
+
+    async def _write_marker(self, global_step: int) -> None:
+        path = self.outputs.checkpoint_path
+        if path is None:
+            self._log("error", "final marker requested without --checkpoint-path", {})
+            return
+        if await self._write_file("final marker", write_final_marker, path, global_step):
+            self._log("info", "final marker written", {"global_step": global_step})
+
+    async def _write_final_state(self, state: object) -> None:
+        path = self.outputs.final_state_path
+        if path is None:
+            return
+        if not isinstance(state, Checkpoint):
+            raise TypeError(f"WriteFinalState carries {type(state).__name__}, not a Checkpoint")
+        if await self._write_file("final state", write_checkpoint, path, state):
+            self._log("info", "final state written", {"path": str(path)})
+
+    async def _write_file(self, what: str, writer: Callable[..., object], *args: object) -> bool:
+        """Run a blocking, atomic writer in a worker thread; a failure ends the run."""
+        try:
+            # Not cancellable: a stop waits for the write, so what is on disk is known.
+            await anyio.to_thread.run_sync(writer, *args)
+        except (ProtocolError, OSError) as exc:
+            await self._finish(self._fail(f"{what} write failed: {exc}"))
+            return False
+        return True

@@ -1,0 +1,563 @@
+"""Connection groups, sans-IO: which socket belongs to which learner, and what to do with bytes.
+
+A learner's connection group is one control socket (its first frame is HELLO) plus
+``num_streams`` data sockets (their first frame is DATA_HELLO with the same learner id and
+generation). :class:`ConnectionGroups` owns one syncer-side :class:`~yeto_proto.FrameDecoder`
+per socket and one :class:`~yeto_proto.Reassembler` and :class:`~yeto_proto.ChunkSlicer` per
+group. It never touches a socket or a clock: a transport feeds it bytes and ``now``, carries
+out the :data:`WireCommand` values it returns, and hands the coordinator the events it queues.
+
+The rules it enforces (PINNED.md § HELLO and DATA_HELLO, § Striping):
+
+- a socket's first frame must arrive within ``handshake_timeout`` seconds (``HANDSHAKE_TIMEOUT``);
+  a HELLO becomes :class:`~yeto_sync.events.HelloReceived` and waits, without a deadline, for
+  the coordinator's answer (a busy coordinator is not the peer's fault);
+- a DATA_HELLO waits up to ``attach_timeout`` seconds for its group's HELLO, then gets
+  ``UNKNOWN_GROUP`` (at once if that HELLO is refused); its ``stream_idx`` must lie in
+  ``0..num_streams-1`` and be new to the group (``BAD_STREAM_INDEX`` / ``DUPLICATE_STREAM``);
+  a refused DATA_HELLO closes only its socket;
+- an admitted group whose data sockets are not all in within ``attach_timeout`` is closed
+  (``HANDSHAKE_TIMEOUT``); once they are, :class:`~yeto_sync.events.GroupReady` is queued;
+- messages of a group that is not ready yet are held (at most ``MAX_HELD_MESSAGES``) and
+  delivered right after its ``GroupReady``, so the coordinator only hears from ready groups;
+- CHUNKs from any socket of a group, stream 0 included, go to the group's reassembler;
+- any protocol error on a socket sends ERROR on that socket and closes the whole group (its
+  partial messages die with it) with :class:`~yeto_sync.events.GroupClosed`; other groups are
+  untouched.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from yeto_proto import (
+    CLOSED,
+    AnyMessage,
+    Chunk,
+    ChunkSlicer,
+    DataHello,
+    DecoderState,
+    ErrorCode,
+    ErrorMessage,
+    FrameDecoder,
+    Hello,
+    Limits,
+    ProtocolError,
+    Reassembler,
+    RemoteProtocolError,
+    Role,
+    encode,
+)
+from yeto_proto.constants import ERROR_TEXT_LIMIT, STRIPED_TYPES
+from yeto_proto.frames import Buffers
+
+from ..events import (
+    ConnId,
+    Event,
+    GroupClosed,
+    GroupKey,
+    GroupReady,
+    HelloReceived,
+    MessageReceived,
+)
+
+HANDSHAKE_TIMEOUT_S = 10.0
+ATTACH_TIMEOUT_S = 10.0
+#: Messages a group may send before its data streams are all attached.
+MAX_HELD_MESSAGES = 256
+#: Sockets that have not yet become part of a group (each may hold a HELLO of up to 16 MiB).
+MAX_UNSETTLED_SOCKETS = 256
+
+FIRST_FRAME_PREFIX = "invalid first frame: "
+HELLO_AUTH_PREFIX = "HELLO authentication failed: "
+#: Header-level failures of a socket's first frame; their ERROR text carries the pinned prefix.
+_FIRST_FRAME_CODES = frozenset(
+    {
+        ErrorCode.BAD_MAGIC,
+        ErrorCode.INVALID_FIRST_FRAME,
+        ErrorCode.FRAME_TOO_LARGE,
+        ErrorCode.BAD_FRAME_LENGTH,
+    }
+)
+
+#: ``log(level, text, fields)``: where the table reports connections and errors.
+LogFn = Callable[[str, str, Mapping[str, object]], None]
+
+
+def _no_log(level: str, text: str, fields: Mapping[str, object]) -> None:
+    pass
+
+
+def error_text(error: ProtocolError, *, first_frame: bool = False) -> str:
+    """The ERROR text for ``error``: ``"<CODE>: detail"``, with the pinned prefixes.
+
+    A header-level failure of a socket's first frame reads ``"invalid first frame: <CODE>: …"``
+    and a bad HELLO MAC ``"HELLO authentication failed: <CODE>: …"`` (PINNED.md).
+    """
+    detail = error.detail
+    if error.code is ErrorCode.INVALID_FIRST_FRAME:
+        detail = detail.removeprefix(FIRST_FRAME_PREFIX)
+    text = f"{error.code.value}: {detail}" if detail else error.code.value
+    if first_frame and error.code in _FIRST_FRAME_CODES:
+        text = FIRST_FRAME_PREFIX + text
+    elif error.code is ErrorCode.HELLO_AUTH_FAILED:
+        text = HELLO_AUTH_PREFIX + text
+    encoded = text.encode("utf-8")
+    if len(encoded) > ERROR_TEXT_LIMIT:
+        text = encoded[:ERROR_TEXT_LIMIT].decode("utf-8", "ignore")
+    return text
+
+
+# -- what a transport must do -------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Transmit:
+    """Queue one frame (its buffers, in order) on ``conn``."""
+
+    conn: ConnId
+    buffers: Buffers
+
+    @property
+    def size(self) -> int:
+        return sum(len(memoryview(b)) for b in self.buffers)
+
+
+@dataclass(frozen=True, slots=True)
+class Hangup:
+    """Close ``conn``: drop frames not yet started, send ``error`` if given, then close."""
+
+    conn: ConnId
+    error: ErrorMessage | None = None
+
+
+WireCommand = Transmit | Hangup
+
+
+class Phase(enum.Enum):
+    HANDSHAKE = "handshake"  # waiting for the first frame
+    ADMISSION = "admission"  # HELLO handed to the coordinator, waiting for its answer
+    ATTACH = "attach"  # DATA_HELLO waiting for its group to be admitted
+    MEMBER = "member"  # control or data socket of an admitted group
+
+
+class _Socket:
+    __slots__ = ("conn", "decoder", "phase", "deadline", "group", "stream_idx", "claim")
+
+    def __init__(self, conn: ConnId, decoder: FrameDecoder, deadline: float) -> None:
+        self.conn = conn
+        self.decoder = decoder
+        self.phase = Phase.HANDSHAKE
+        self.deadline: float | None = deadline
+        self.group: GroupKey | None = None
+        self.stream_idx: int | None = None  # None: the control socket (stream 0)
+        self.claim: DataHello | None = None
+
+    def describe(self) -> str:
+        return "stream 0" if self.stream_idx is None else f"data stream {self.stream_idx}"
+
+
+class _Group:
+    __slots__ = (
+        "key",
+        "control",
+        "num_streams",
+        "limits",
+        "data",
+        "reassembler",
+        "slicer",
+        "ready",
+        "held",
+        "deadline",
+    )
+
+    def __init__(
+        self, key: GroupKey, control: ConnId, num_streams: int, limits: Limits, deadline: float
+    ) -> None:
+        self.key = key
+        self.control = control
+        self.num_streams = num_streams
+        self.limits = limits
+        self.data: dict[int, ConnId] = {}
+        self.reassembler = Reassembler(Role.SYNCER, limits)
+        self.slicer = ChunkSlicer(num_streams) if num_streams else None
+        self.ready = False
+        self.held: list[AnyMessage] = []
+        self.deadline: float | None = deadline
+
+    def members(self) -> list[ConnId]:
+        return [self.control, *self.data.values()]
+
+
+class ConnectionGroups:
+    """Every socket of the syncer and the groups they form (see the module docstring).
+
+    Methods that change state return the wire commands to carry out, in order; events for the
+    coordinator accumulate in :attr:`events` (pop them with :meth:`pop_event`).
+    """
+
+    def __init__(
+        self,
+        num_learners: int,
+        *,
+        hello_key: bytes | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+        attach_timeout: float = ATTACH_TIMEOUT_S,
+        max_unsettled: int = MAX_UNSETTLED_SOCKETS,
+        log: LogFn | None = None,
+    ) -> None:
+        self.num_learners = num_learners
+        self.hello_key = hello_key
+        self.handshake_timeout = handshake_timeout
+        self.attach_timeout = attach_timeout
+        self.max_unsettled = max_unsettled
+        self._log = log if log is not None else _no_log
+        self.events: deque[Event] = deque()
+        self._sockets: dict[ConnId, _Socket] = {}
+        self._unsettled: dict[ConnId, _Socket] = {}  # every socket not yet a member
+        self._groups: dict[GroupKey, _Group] = {}
+        #: HELLOs handed to the coordinator and not yet answered, by socket.
+        self._pending: dict[ConnId, GroupKey] = {}
+        self._wire: list[WireCommand] = []
+
+    # -- queries ---------------------------------------------------------------------------
+    def pop_event(self) -> Event | None:
+        return self.events.popleft() if self.events else None
+
+    @property
+    def backlog(self) -> int:
+        return len(self.events)
+
+    def is_open(self, conn: ConnId) -> bool:
+        return conn in self._sockets
+
+    def has_group(self, key: GroupKey) -> bool:
+        return key in self._groups
+
+    def streams_of(self, key: GroupKey) -> dict[int, ConnId]:
+        """Data stream index → socket of an admitted group (empty for an unknown group)."""
+        group = self._groups.get(key)
+        return {} if group is None else dict(group.data)
+
+    def next_deadline(self) -> float | None:
+        """The earliest handshake, attach or readiness deadline, if any is pending."""
+        deadlines = [s.deadline for s in self._unsettled.values() if s.deadline is not None]
+        deadlines += [g.deadline for g in self._groups.values() if g.deadline is not None]
+        return min(deadlines, default=None)
+
+    # -- socket lifecycle ------------------------------------------------------------------
+    def open(self, conn: ConnId, now: float) -> list[WireCommand]:
+        """A new socket: it has ``handshake_timeout`` seconds to send its first frame."""
+        if conn in self._sockets:
+            raise ValueError(f"connection {conn} is already open")
+        if len(self._unsettled) >= self.max_unsettled:
+            self._log("warning", "connection refused", {"conn": conn, "reason": "too many"})
+            return [Hangup(conn)]
+        decoder = FrameDecoder(
+            Role.SYNCER, num_learners=self.num_learners, hello_key=self.hello_key
+        )
+        sock = _Socket(conn, decoder, now + self.handshake_timeout)
+        self._sockets[conn] = sock
+        self._unsettled[conn] = sock
+        return []
+
+    def receive(
+        self, conn: ConnId, data: bytes | bytearray | memoryview, now: float
+    ) -> list[WireCommand]:
+        """Bytes read from ``conn`` (``b""`` = the peer closed it). The data is copied."""
+        sock = self._sockets.get(conn)
+        if sock is not None:
+            sock.decoder.feed(data)
+            self._drain(sock, now)
+        return self._take_wire()
+
+    def direct_target(self, conn: ConnId) -> memoryview | None:
+        """Where ``conn``'s next bytes may be read straight into (the current frame's payload)."""
+        sock = self._sockets.get(conn)
+        return None if sock is None else sock.decoder.writable()
+
+    def receive_direct(self, conn: ConnId, count: int, now: float) -> list[WireCommand]:
+        """``count`` bytes were read into :meth:`direct_target`'s view (``count`` > 0)."""
+        sock = self._sockets.get(conn)
+        if sock is not None:
+            sock.decoder.wrote(count)
+            self._drain(sock, now)
+        return self._take_wire()
+
+    def lost(self, conn: ConnId, reason: str) -> list[WireCommand]:
+        """The socket failed below the protocol (reset, send stalled): drop it and its group."""
+        sock = self._sockets.get(conn)
+        if sock is not None:
+            self._log("debug", "connection lost", {"conn": conn, "reason": reason})
+            self._drop_socket(sock, reason, error=None)
+        return self._take_wire()
+
+    # -- the coordinator's answers ---------------------------------------------------------
+    def admit(
+        self, conn: ConnId, key: GroupKey, num_streams: int, limits: Limits, now: float
+    ) -> list[WireCommand]:
+        """Make ``conn`` (whose HELLO was accepted) the control socket of group ``key``."""
+        self._pending.pop(conn, None)
+        sock = self._sockets.get(conn)
+        if sock is None or sock.phase is not Phase.ADMISSION:
+            # The peer left while its HELLO was being decided: the group is gone already.
+            self.events.append(GroupClosed(key, "connection closed before admission"))
+            self._refuse_attaching(key, "its HELLO connection closed before admission")
+            return self._take_wire()
+        if key in self._groups:
+            raise ValueError(f"group {key} is already open")
+        group = _Group(key, conn, num_streams, limits, now + self.attach_timeout)
+        self._groups[key] = group
+        del self._unsettled[conn]
+        sock.phase, sock.group, sock.deadline = Phase.MEMBER, key, None
+        sock.decoder.set_limits(limits)
+        if num_streams == 0:
+            self._make_ready(group)
+        self._drain(sock, now)
+        for data_sock in self._attaching(key):
+            if key not in self._groups:
+                break  # an earlier socket's error closed the group
+            if self._attach(data_sock, group):
+                self._drain(data_sock, now)
+        return self._take_wire()
+
+    def refuse(self, conn: ConnId, error: ErrorMessage) -> list[WireCommand]:
+        """Send ERROR on a socket that never became a group, and close it."""
+        key = self._pending.pop(conn, None)
+        sock = self._sockets.get(conn)
+        if sock is not None:
+            self._log("debug", "connection refused", {"conn": conn, "error": error.text})
+            self._drop_socket(sock, error.text, error=error)
+        if key is not None:
+            self._refuse_attaching(key, "its HELLO was refused")
+        return self._take_wire()
+
+    def close_group(self, key: GroupKey, error: ErrorMessage | None) -> list[WireCommand]:
+        """Close every socket of ``key`` (ERROR on its control socket first, if given).
+
+        Events the group queued but the coordinator has not seen are withdrawn; a final
+        ``GroupClosed`` confirms the close.
+        """
+        group = self._groups.get(key)
+        if group is not None:
+            self.events = deque(e for e in self.events if _event_group(e) != key)
+            reason = "closed by the syncer" + (f": {error.text}" if error else "")
+            self._close_group(group, reason, errors={group.control: error} if error else {})
+        return self._take_wire()
+
+    # -- outgoing --------------------------------------------------------------------------
+    def route(self, key: GroupKey, message: AnyMessage) -> list[Transmit]:
+        """The frames that carry ``message`` to group ``key``, each with its socket.
+
+        Bulk frames are sliced into CHUNKs dealt round-robin over the data sockets; everything
+        else, and everything to a group without data streams, goes plain on stream 0. A group
+        that is gone, or not ready, receives nothing.
+        """
+        group = self._groups.get(key)
+        if group is None:
+            return []
+        if not group.ready:
+            self._log(
+                "error",
+                "send to a group that is not ready",
+                {"learner_id": key.learner_id, "generation": key.generation},
+            )
+            return []
+        frame = encode(message)
+        if group.slicer is None or message.TYPE not in STRIPED_TYPES:
+            return [Transmit(group.control, frame)]
+        return [Transmit(group.data[s.stream_idx], s.buffers) for s in group.slicer.slice(frame)]
+
+    # -- time ------------------------------------------------------------------------------
+    def expire(self, now: float) -> list[WireCommand]:
+        """Enforce every deadline that has passed."""
+        for sock in [s for s in self._unsettled.values() if _due(s.deadline, now)]:
+            if sock.phase is Phase.ATTACH and sock.claim is not None:
+                claim = sock.claim
+                self._fail(
+                    sock,
+                    RemoteProtocolError(
+                        ErrorCode.UNKNOWN_GROUP,
+                        f"no HELLO for learner {claim.learner_id} generation "
+                        f"{claim.generation} within {self.attach_timeout:g} s",
+                    ),
+                )
+            else:
+                self._fail(
+                    sock,
+                    RemoteProtocolError(
+                        ErrorCode.HANDSHAKE_TIMEOUT,
+                        f"no first frame within {self.handshake_timeout:g} s",
+                    ),
+                )
+        for group in [g for g in self._groups.values() if _due(g.deadline, now)]:
+            error = RemoteProtocolError(
+                ErrorCode.HANDSHAKE_TIMEOUT,
+                f"{len(group.data)} of {group.num_streams} data streams attached within "
+                f"{self.attach_timeout:g} s",
+            )
+            self._fail(self._sockets[group.control], error)
+        return self._take_wire()
+
+    # -- internals -------------------------------------------------------------------------
+    def _take_wire(self) -> list[WireCommand]:
+        wire, self._wire = self._wire, []
+        return wire
+
+    def _drain(self, sock: _Socket, now: float) -> None:
+        """Hand on every frame the socket's decoder has ready."""
+        while sock.conn in self._sockets:
+            try:
+                item = sock.decoder.next_frame()
+                if isinstance(item, DecoderState):
+                    if item is CLOSED:
+                        self._drop_socket(sock, f"peer closed {sock.describe()}", error=None)
+                    return
+                self._handle(sock, item, now)
+            except ProtocolError as exc:
+                self._fail(sock, exc)
+                return
+
+    def _handle(self, sock: _Socket, message: AnyMessage, now: float) -> None:
+        if sock.phase is Phase.MEMBER:
+            assert sock.group is not None
+            self._deliver(self._groups[sock.group], message)
+        elif isinstance(message, Hello):
+            # The peer did its part; waiting for the coordinator's answer is not its fault.
+            key = GroupKey(message.learner_id, message.generation)
+            sock.phase, sock.deadline = Phase.ADMISSION, None
+            self._pending[sock.conn] = key
+            for waiting in self._attaching(key):
+                waiting.deadline = None
+            self.events.append(HelloReceived(sock.conn, message))
+        elif isinstance(message, DataHello):
+            sock.claim = message
+            key = _claimed(message)
+            group = self._groups.get(key)
+            if group is not None:
+                self._attach(sock, group)
+                return
+            sock.phase = Phase.ATTACH
+            # Only the peer's own HELLO is awaited against the clock, not the coordinator.
+            pending = key in self._pending.values()
+            sock.deadline = None if pending else now + self.attach_timeout
+        else:  # the decoder yields nothing after the first frame until limits are set
+            raise AssertionError(f"{type(message).__name__} before the socket joined a group")
+
+    def _attaching(self, key: GroupKey) -> list[_Socket]:
+        """Data sockets waiting for group ``key`` to be admitted."""
+        return [
+            s
+            for s in self._unsettled.values()
+            if s.phase is Phase.ATTACH and s.claim is not None and _claimed(s.claim) == key
+        ]
+
+    def _refuse_attaching(self, key: GroupKey, why: str) -> None:
+        for sock in self._attaching(key):
+            self._fail(
+                sock,
+                RemoteProtocolError(
+                    ErrorCode.UNKNOWN_GROUP,
+                    f"no group for learner {key.learner_id} generation {key.generation}: {why}",
+                ),
+            )
+
+    def _attach(self, sock: _Socket, group: _Group) -> bool:
+        """Join ``sock`` (whose first frame was DATA_HELLO) to ``group`` as a data socket."""
+        assert sock.claim is not None
+        index = sock.claim.stream_idx
+        if index >= group.num_streams:
+            bound = f"0..{group.num_streams - 1}" if group.num_streams else "none (0 streams)"
+            self._fail(
+                sock,
+                RemoteProtocolError(
+                    ErrorCode.BAD_STREAM_INDEX, f"stream_idx {index} outside {bound}"
+                ),
+            )
+            return False
+        if index in group.data:
+            self._fail(
+                sock,
+                RemoteProtocolError(
+                    ErrorCode.DUPLICATE_STREAM, f"stream_idx {index} is already attached"
+                ),
+            )
+            return False
+        group.data[index] = sock.conn
+        del self._unsettled[sock.conn]
+        sock.phase, sock.group, sock.stream_idx = Phase.MEMBER, group.key, index
+        sock.deadline, sock.claim = None, None
+        sock.decoder.set_limits(group.limits)
+        if len(group.data) == group.num_streams:
+            self._make_ready(group)
+        return True
+
+    def _make_ready(self, group: _Group) -> None:
+        group.ready, group.deadline = True, None
+        self.events.append(GroupReady(group.key))
+        held, group.held = group.held, []
+        self.events.extend(MessageReceived(group.key, m) for m in held)
+
+    def _deliver(self, group: _Group, message: AnyMessage) -> None:
+        if isinstance(message, Chunk):
+            inner = group.reassembler.add(message)
+            if inner is None:
+                return
+            message = inner
+        if group.ready:
+            self.events.append(MessageReceived(group.key, message))
+        elif len(group.held) < MAX_HELD_MESSAGES:
+            group.held.append(message)
+        else:
+            raise RemoteProtocolError(
+                ErrorCode.GROUP_NOT_READY,
+                f"more than {MAX_HELD_MESSAGES} messages before every data stream attached",
+            )
+
+    def _fail(self, sock: _Socket, error: ProtocolError) -> None:
+        """A protocol error on ``sock``: ERROR there, then close it and its group."""
+        text = error_text(error, first_frame=sock.phase is Phase.HANDSHAKE)
+        fields: dict[str, object] = {"conn": sock.conn, "socket": sock.describe(), "error": text}
+        if sock.group is not None:
+            fields.update(learner_id=sock.group.learner_id, generation=sock.group.generation)
+        self._log("warning", "protocol error", fields)
+        self._drop_socket(sock, text, error=ErrorMessage(text))
+
+    def _drop_socket(self, sock: _Socket, reason: str, *, error: ErrorMessage | None) -> None:
+        if sock.phase is Phase.MEMBER:
+            assert sock.group is not None
+            self._close_group(
+                self._groups[sock.group], reason, errors={sock.conn: error} if error else {}
+            )
+        else:
+            self._forget(sock.conn)
+            self._wire.append(Hangup(sock.conn, error))
+
+    def _close_group(
+        self, group: _Group, reason: str, *, errors: Mapping[ConnId, ErrorMessage | None]
+    ) -> None:
+        del self._groups[group.key]
+        group.reassembler.clear()
+        for conn in group.members():
+            self._forget(conn)
+            self._wire.append(Hangup(conn, errors.get(conn)))
+        self.events.append(GroupClosed(group.key, reason))
+
+    def _forget(self, conn: ConnId) -> None:
+        self._sockets.pop(conn, None)
+        self._unsettled.pop(conn, None)
+
+
+def _claimed(claim: DataHello) -> GroupKey:
+    return GroupKey(claim.learner_id, claim.generation)
+
+
+def _due(deadline: float | None, now: float) -> bool:
+    return deadline is not None and deadline <= now
+
+
+def _event_group(event: Event) -> GroupKey | None:
+    if isinstance(event, GroupReady | MessageReceived | GroupClosed):
+        return event.group
+    return None

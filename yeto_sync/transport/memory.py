@@ -1,0 +1,177 @@
+"""The in-memory transport: the syncer's connection groups with no sockets and a fake clock.
+
+Each :class:`MemoryPeer` is the learner's end of one socket. What a peer writes goes through
+the same :class:`~yeto_sync.transport.group.ConnectionGroups` (the same decoders, reassembly and
+errors) as TCP bytes would; what the syncer sends piles up in the peer's inbox as bytes. Time
+moves only when a test says so, so every schedule is deterministic: :meth:`MemorySyncer.settle`
+runs the driver until nothing is left to do at the current time, and
+:meth:`MemorySyncer.advance` moves the clock forward through every deadline on the way.
+"""
+
+from __future__ import annotations
+
+from yeto_proto import AnyMessage, ErrorMessage, Limits, encode, encode_bytes
+
+from ..driver import CoordinatorLike, Driver, Outputs
+from ..events import ConnId, Event, GroupKey
+from .group import ConnectionGroups, Hangup, LogFn, Transmit, WireCommand
+
+
+class FakeClock:
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = start
+
+    def now(self) -> float:
+        return self._now
+
+    def set(self, at: float) -> None:
+        if at < self._now:
+            raise ValueError("a monotonic clock does not go back")
+        self._now = at
+
+
+class MemoryPeer:
+    """The learner's end of one in-memory socket."""
+
+    def __init__(self, transport: MemoryTransport, conn: ConnId) -> None:
+        self._transport = transport
+        self.conn = conn
+        self._inbox = bytearray()
+        #: The syncer closed this socket.
+        self.hung_up = False
+        #: We closed it (EOF sent).
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        """Bytes from the learner to the syncer (ignored once either side closed)."""
+        if data and not self.closed and not self.hung_up:
+            self._transport.deliver(self.conn, data)
+
+    def send(self, message: AnyMessage, *, hello_key: bytes | None = None) -> None:
+        self.write(encode_bytes(message, hello_key=hello_key))
+
+    def close(self) -> None:
+        if not self.closed and not self.hung_up:
+            self.closed = True
+            self._transport.deliver(self.conn, b"")
+
+    def read(self) -> bytes:
+        """Everything the syncer sent on this socket since the last read."""
+        data, self._inbox = bytes(self._inbox), bytearray()
+        return data
+
+    def arrive(self, buffers: list[bytes | memoryview]) -> None:
+        """Bytes the syncer sent on this socket land in the inbox."""
+        for buffer in buffers:
+            self._inbox += buffer
+
+
+class MemoryTransport:
+    """:class:`~yeto_sync.transport.Transport` over in-memory peers."""
+
+    def __init__(self, groups: ConnectionGroups, clock: FakeClock) -> None:
+        self.groups = groups
+        self.clock = clock
+        self.peers: dict[ConnId, MemoryPeer] = {}
+        self._next_conn = 1
+        self.accepting = True
+
+    def connect(self) -> MemoryPeer:
+        if not self.accepting:
+            raise ConnectionRefusedError("the in-memory syncer has shut down")
+        conn, self._next_conn = self._next_conn, self._next_conn + 1
+        peer = MemoryPeer(self, conn)
+        self.peers[conn] = peer
+        self._apply(self.groups.open(conn, self.clock.now()))
+        return peer
+
+    def deliver(self, conn: ConnId, data: bytes) -> None:
+        self._apply(self.groups.receive(conn, data, self.clock.now()))
+
+    # -- events ----------------------------------------------------------------------------
+    def poll_event(self) -> Event | None:
+        """The next queued event, after enforcing deadlines due by now; never waits."""
+        deadline = self.groups.next_deadline()
+        if deadline is not None and deadline <= self.clock.now():
+            self._apply(self.groups.expire(self.clock.now()))
+        return self.groups.pop_event()
+
+    # -- the Transport protocol ------------------------------------------------------------
+    def admit(self, conn: ConnId, group: GroupKey, num_streams: int, limits: Limits) -> None:
+        self._apply(self.groups.admit(conn, group, num_streams, limits, self.clock.now()))
+
+    def refuse(self, conn: ConnId, error: ErrorMessage) -> None:
+        self._apply(self.groups.refuse(conn, error))
+
+    async def send(self, group: GroupKey, message: AnyMessage) -> None:
+        self._apply(self.groups.route(group, message))
+
+    def close_group(self, group: GroupKey, error: ErrorMessage | None) -> None:
+        self._apply(self.groups.close_group(group, error))
+
+    async def shutdown(self, grace: float) -> None:
+        """Everything sent is already in the inboxes: hang up every socket."""
+        self.accepting = False
+        for conn, peer in self.peers.items():
+            if not peer.hung_up:
+                self._apply(self.groups.lost(conn, "syncer shut down"))
+                peer.hung_up = True
+
+    def _apply(self, commands: list[WireCommand] | list[Transmit]) -> None:
+        for command in commands:
+            peer = self.peers[command.conn]
+            if isinstance(command, Hangup):
+                if command.error is not None and not peer.hung_up:
+                    peer.arrive(encode(command.error))
+                peer.hung_up = True
+            elif not peer.hung_up:
+                peer.arrive(command.buffers)
+
+
+class MemorySyncer:
+    """A coordinator driven over an in-memory transport by a fake clock."""
+
+    def __init__(
+        self,
+        coordinator: CoordinatorLike,
+        *,
+        num_learners: int,
+        hello_key: bytes | None = None,
+        outputs: Outputs | None = None,
+        start: float = 0.0,
+        log: LogFn | None = None,
+    ) -> None:
+        self.clock = FakeClock(start)
+        self.groups = ConnectionGroups(num_learners, hello_key=hello_key, log=log)
+        self.transport = MemoryTransport(self.groups, self.clock)
+        self.driver = Driver(coordinator, self.transport, self.clock, outputs=outputs, log=log)
+
+    def connect(self) -> MemoryPeer:
+        return self.transport.connect()
+
+    async def settle(self) -> None:
+        """Dispatch every queued event and due timer at the current time."""
+        while self.driver.exit is None:
+            if await self.driver.fire_due_timers():
+                continue
+            event = self.transport.poll_event()
+            if event is None:
+                return
+            await self.driver.dispatch(event)
+
+    async def advance(self, seconds: float) -> None:
+        """Move time forward by ``seconds``, stopping at every deadline on the way."""
+        target = self.clock.now() + seconds
+        await self.settle()
+        while self.driver.exit is None:
+            due = [
+                t
+                for t in (self.driver.next_timer_at(), self.groups.next_deadline())
+                if t is not None and t <= target
+            ]
+            if not due:
+                break
+            self.clock.set(max(min(due), self.clock.now()))
+            await self.settle()
+        self.clock.set(max(target, self.clock.now()))
+        await self.settle()

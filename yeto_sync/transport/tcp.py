@@ -1,0 +1,437 @@
+"""The TCP transport: raw non-blocking sockets on anyio, one reader and one writer per socket.
+
+Receive path (measured in BENCHMARKS.md: an anyio stream's ``receive()`` reaches half the
+throughput of a blocking socket; ``wait_readable`` + ``recv_into`` on the raw socket ≈ 0.9–0.97):
+each socket reads with ``recv_into`` into one reusable 4 MiB buffer (shared by all sockets: the
+decoder copies each read before the reading task yields) and feeds the view to its decoder,
+which copies the bytes once, into the frame they belong to. Send path: frames are the
+buffer lists :func:`yeto_proto.encode` and the CHUNK slicer return (tensor bytes are views of
+the coordinator's arrays) and go out with ``socket.sendmsg``, never joined.
+
+Every wait is bounded:
+
+- handshakes and attaches by :class:`~yeto_sync.transport.group.ConnectionGroups` deadlines;
+- each socket's writer is the only task that writes to it and writes one whole frame at a time
+  inside a shielded cancel scope, so cancellation never leaves half a frame followed by more
+  bytes; a write that makes no progress for ``stall_timeout`` seconds drops the group;
+- per-socket send queues hold at most ``send_queue_bytes``: the driver's ``send`` waits for room
+  (backpressure), at most ``stall_timeout`` seconds, then drops that group;
+- readers stop reading (TCP pushes back on the peer) while more than ``MAX_EVENT_BACKLOG``
+  events wait for the driver;
+- a closing socket sends its last frame (an ERROR, say), half-closes and lingers at most
+  ``linger`` seconds for the peer's EOF, so the ERROR is read rather than lost to a reset;
+- :meth:`TcpTransport.shutdown` flushes queues for ``grace`` seconds, then cuts everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import socket
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+
+from yeto_proto import AnyMessage, ErrorMessage, Limits, encode
+from yeto_proto.frames import Buffers
+
+from ..events import ConnId, Event, GroupKey
+from . import Clock
+from .group import ConnectionGroups, Hangup, LogFn, Transmit, WireCommand
+
+#: The receive buffer all sockets share (a read never outlives the task step that made it).
+RECV_BUFFER_SIZE = 4 << 20
+#: Below this many bytes left in a payload, reading into the shared buffer is as cheap.
+DIRECT_READ_MIN = 64 << 10
+SEND_QUEUE_BYTES = 64 << 20
+SEND_STALL_TIMEOUT_S = 60.0
+LINGER_S = 2.0
+MAX_EVENT_BACKLOG = 1024
+LISTEN_BACKLOG = 512
+#: iovecs per sendmsg call (Linux allows 1024).
+IOV_BATCH = 512
+
+
+class SendStalled(Exception):
+    """A socket accepted no bytes for the whole stall timeout."""
+
+
+class SendQueue:
+    """A per-socket FIFO of frames, bounded in bytes (one frame always fits an empty queue)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._frames: deque[tuple[Buffers, int]] = deque()
+        self._bytes = 0
+        self.closed = False
+        self._changed = anyio.Event()
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def put(self, buffers: Buffers, size: int) -> bool:
+        """Queue a frame once there is room; False if the queue was closed instead."""
+        while not self.closed and self._frames and self._bytes + size > self.max_bytes:
+            await self._changed.wait()
+        if self.closed:
+            return False
+        self._frames.append((buffers, size))
+        self._bytes += size
+        self._notify()
+        return True
+
+    async def get(self) -> Buffers | None:
+        """The next frame; ``None`` once the queue is closed and empty."""
+        while not self._frames:
+            if self.closed:
+                return None
+            await self._changed.wait()
+        buffers, size = self._frames.popleft()
+        self._bytes -= size
+        self._notify()
+        return buffers
+
+    def close(self, *, last: Buffers | None = None, discard: bool) -> None:
+        """No more frames: optionally drop those not yet started, then queue ``last``."""
+        if self.closed:
+            return
+        if discard:
+            self._frames.clear()
+            self._bytes = 0
+        if last is not None:
+            self._frames.append((last, 0))
+        self.closed = True
+        self._notify()
+
+
+@dataclass(eq=False)
+class _Peer:
+    conn: ConnId
+    sock: socket.socket
+    address: str
+    queue: SendQueue
+    reader_done: anyio.Event = field(default_factory=anyio.Event)
+    scope: anyio.CancelScope | None = None
+    #: The shielded scope of the frame being written, so a hard stop can cut it.
+    frame_scope: anyio.CancelScope | None = None
+
+
+def _address_text(address: object) -> str:
+    if isinstance(address, tuple) and len(address) >= 2:
+        host, port = address[0], address[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(address)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class TcpTransport:
+    """The syncer's listener and sockets; use :meth:`serve` to run it."""
+
+    def __init__(
+        self,
+        groups: ConnectionGroups,
+        clock: Clock,
+        listener: socket.socket,
+        task_group: anyio.abc.TaskGroup,
+        *,
+        log: LogFn | None = None,
+        send_queue_bytes: int = SEND_QUEUE_BYTES,
+        stall_timeout: float = SEND_STALL_TIMEOUT_S,
+        linger: float = LINGER_S,
+    ) -> None:
+        self.groups = groups
+        self.clock = clock
+        self._listener = listener
+        host, port = listener.getsockname()[:2]
+        #: The bound address (with port 0 requested, the port the system chose).
+        self.address: tuple[str, int] = (str(host), int(port))
+        self._tg = task_group
+        self._log = log if log is not None else (lambda level, text, fields: None)
+        self.send_queue_bytes = send_queue_bytes
+        self.stall_timeout = stall_timeout
+        self.linger = linger
+        self._peers: dict[ConnId, _Peer] = {}
+        self._recv_buffer = bytearray(RECV_BUFFER_SIZE)
+        self._recv_view = memoryview(self._recv_buffer)
+        self._next_conn = 1
+        self._arrived = anyio.Event()
+        #: When the waiting :meth:`next_event` wakes up by itself (−inf: nobody waits).
+        self._wake_at = -math.inf
+        self._room = anyio.Event()
+        self._all_closed = anyio.Event()
+        self._accept_scope = anyio.CancelScope()
+        self._shutting_down = False
+        self._hard_stop = False
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def serve(
+        cls,
+        groups: ConnectionGroups,
+        clock: Clock,
+        host: str,
+        port: int,
+        *,
+        log: LogFn | None = None,
+        send_queue_bytes: int = SEND_QUEUE_BYTES,
+        stall_timeout: float = SEND_STALL_TIMEOUT_S,
+        linger: float = LINGER_S,
+    ) -> AsyncIterator[TcpTransport]:
+        """Listen on ``host:port`` (0 = any free port) and accept until the block ends."""
+        listener = _listening_socket(host, port)
+        async with anyio.create_task_group() as tg:
+            transport = cls(
+                groups,
+                clock,
+                listener,
+                tg,
+                log=log,
+                send_queue_bytes=send_queue_bytes,
+                stall_timeout=stall_timeout,
+                linger=linger,
+            )
+            tg.start_soon(transport._accept_loop)
+            try:
+                yield transport
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await transport.shutdown(0.0)
+                tg.cancel_scope.cancel()
+
+    # -- events for the driver ---------------------------------------------------------------
+    async def next_event(self, until: float | None) -> Event | None:
+        while True:
+            event = self.groups.pop_event()
+            if event is not None:
+                if self.groups.backlog < MAX_EVENT_BACKLOG:
+                    self._room.set()
+                return event
+            now = self.clock.now()
+            deadline = self.groups.next_deadline()
+            if deadline is not None and deadline <= now:
+                self._apply(self.groups.expire(now))
+                continue
+            if until is not None and until <= now:
+                return None
+            self._wake_at = min((t for t in (deadline, until) if t is not None), default=math.inf)
+            self._arrived = anyio.Event()
+            with anyio.move_on_after(self._wake_at - now):
+                await self._arrived.wait()
+            self._wake_at = -math.inf
+
+    def _wake_driver(self) -> None:
+        """Wake :meth:`next_event` for a new event, or for a deadline earlier than its wake-up."""
+        if self.groups.backlog:
+            self._arrived.set()
+        elif self._wake_at > -math.inf:
+            deadline = self.groups.next_deadline()
+            if deadline is not None and deadline < self._wake_at:
+                self._arrived.set()
+
+    # -- the Transport protocol --------------------------------------------------------------
+    def admit(self, conn: ConnId, group: GroupKey, num_streams: int, limits: Limits) -> None:
+        self._apply(self.groups.admit(conn, group, num_streams, limits, self.clock.now()))
+
+    def refuse(self, conn: ConnId, error: ErrorMessage) -> None:
+        self._apply(self.groups.refuse(conn, error))
+
+    def close_group(self, group: GroupKey, error: ErrorMessage | None) -> None:
+        self._apply(self.groups.close_group(group, error))
+
+    async def send(self, group: GroupKey, message: AnyMessage) -> None:
+        for transmit in self.groups.route(group, message):
+            peer = self._peers.get(transmit.conn)
+            if peer is None:
+                continue
+            with anyio.move_on_after(self.stall_timeout) as waited:
+                queued = await peer.queue.put(transmit.buffers, transmit.size)
+            if waited.cancelled_caught:
+                reason = f"send queue full for {self.stall_timeout:g} s"
+                self._apply(self.groups.lost(transmit.conn, reason))
+                return
+            if not queued:
+                return  # the group closed while we waited
+
+    async def shutdown(self, grace: float) -> None:
+        """Stop accepting, let queued frames drain for ``grace`` seconds, then cut the rest."""
+        if not self._shutting_down:
+            self._shutting_down = True
+            self._accept_scope.cancel()  # the accept loop closes the listener on its way out
+            for peer in self._peers.values():
+                peer.queue.close(discard=False)
+        if self._peers:
+            with anyio.move_on_after(grace):
+                await self._all_closed.wait()
+        self._hard_stop = True
+        for peer in list(self._peers.values()):
+            if peer.frame_scope is not None:
+                peer.frame_scope.cancel()
+            if peer.scope is not None:
+                peer.scope.cancel()
+        with anyio.move_on_after(1.0):
+            if self._peers:
+                await self._all_closed.wait()
+
+    def _apply(self, commands: list[WireCommand] | list[Transmit]) -> None:
+        for command in commands:
+            peer = self._peers.get(command.conn)
+            if peer is None:
+                continue
+            if isinstance(command, Hangup):
+                last = encode(command.error) if command.error is not None else None
+                peer.queue.close(last=last, discard=True)
+            else:  # only route() produces frames, and send() queues those itself
+                raise AssertionError("Transmit outside send()")
+        self._wake_driver()
+
+    # -- sockets -------------------------------------------------------------------------------
+    async def _accept_loop(self) -> None:
+        try:
+            with self._accept_scope:
+                await self._accept_forever()
+        finally:
+            self._listener.close()
+
+    async def _accept_forever(self) -> None:
+        while True:
+            await anyio.wait_readable(self._listener)
+            try:
+                sock, address = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as exc:  # out of descriptors, say: back off, keep serving
+                self._log("error", "accept failed", {"error": str(exc)})
+                await anyio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            conn, self._next_conn = self._next_conn, self._next_conn + 1
+            peer = _Peer(conn, sock, _address_text(address), SendQueue(self.send_queue_bytes))
+            self._peers[conn] = peer
+            self._log("info", "connection opened", {"conn": conn, "peer": peer.address})
+            self._tg.start_soon(self._serve_peer, peer)
+            self._apply(self.groups.open(conn, self.clock.now()))
+
+    async def _serve_peer(self, peer: _Peer) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                peer.scope = tg.cancel_scope
+                tg.start_soon(self._read_loop, peer)
+                if await self._write_loop(peer):
+                    with contextlib.suppress(OSError):
+                        peer.sock.shutdown(socket.SHUT_WR)
+                    with anyio.move_on_after(self.linger):
+                        await peer.reader_done.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            peer.sock.close()
+            del self._peers[peer.conn]
+            self._apply(self.groups.lost(peer.conn, "socket closed"))
+            self._log("info", "connection closed", {"conn": peer.conn, "peer": peer.address})
+            if not self._peers:
+                self._all_closed.set()
+
+    async def _read_loop(self, peer: _Peer) -> None:
+        # One buffer serves every socket: each read is handed to the decoder (which copies it)
+        # before this task yields, so no other reader can overwrite it in between.
+        buffer, view = self._recv_buffer, self._recv_view
+        sock, conn = peer.sock, peer.conn
+        try:
+            while True:
+                # Inside a large payload, read straight into the frame's own buffer (no copy).
+                target = self.groups.direct_target(conn)
+                direct = target is not None and len(target) >= DIRECT_READ_MIN
+                into = target if direct and target is not None else buffer
+                try:
+                    size = sock.recv_into(into)
+                except (BlockingIOError, InterruptedError):
+                    await anyio.wait_readable(sock)
+                    continue
+                except OSError as exc:
+                    self._apply(self.groups.lost(conn, f"receive failed: {exc}"))
+                    return
+                if direct and size:
+                    self._apply(self.groups.receive_direct(conn, size, self.clock.now()))
+                else:
+                    self._apply(self.groups.receive(conn, view[:size], self.clock.now()))
+                if size == 0:
+                    return
+                await self._room_for_events()
+        finally:
+            peer.reader_done.set()
+
+    async def _room_for_events(self) -> None:
+        """Let other tasks run; while the driver is behind, stop reading (TCP pushes back)."""
+        if self.groups.backlog < MAX_EVENT_BACKLOG:
+            await anyio.lowlevel.checkpoint()
+            return
+        while self.groups.backlog >= MAX_EVENT_BACKLOG:
+            if self._room.is_set():
+                self._room = anyio.Event()
+            await self._room.wait()
+
+    async def _write_loop(self, peer: _Peer) -> bool:
+        """Write queued frames until the queue closes (True) or the socket fails (False)."""
+        try:
+            while (frame := await peer.queue.get()) is not None:
+                with anyio.CancelScope(shield=True) as scope:
+                    peer.frame_scope = scope
+                    if self._hard_stop:
+                        scope.cancel()
+                    await self._write_frame(peer.sock, frame)
+                peer.frame_scope = None
+                if scope.cancelled_caught:
+                    return False
+        except (OSError, SendStalled) as exc:
+            reason = "send stalled" if isinstance(exc, SendStalled) else f"send failed: {exc}"
+            self._apply(self.groups.lost(peer.conn, reason))
+            return False
+        return True
+
+    async def _write_frame(self, sock: socket.socket, frame: Buffers) -> None:
+        views = [memoryview(b) for b in frame if len(b)]
+        start = 0
+        while start < len(views):
+            try:
+                sent = sock.sendmsg(views[start : start + IOV_BATCH])
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            if not sent:
+                with anyio.move_on_after(self.stall_timeout) as waited:
+                    await anyio.wait_writable(sock)
+                if waited.cancelled_caught:
+                    raise SendStalled
+                continue
+            while sent:
+                head = views[start]
+                if sent >= len(head):
+                    sent -= len(head)
+                    start += 1
+                else:
+                    views[start] = head[sent:]
+                    sent = 0
