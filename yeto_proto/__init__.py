@@ -4,6 +4,7 @@ It knows bytes and nothing else: no sockets, clocks, torch or anyio. Third-party
 import it alone. See ``spec/`` for the normative text and ``conformance/`` for golden vectors.
 """
 
+from . import checkpoint, dtypes
 from .chunks import ChunkSlicer, Reassembler, StripedFrame, decode_inner_frame
 from .constants import (
     CHUNK_SLICE_SIZE,
@@ -17,6 +18,7 @@ from .constants import (
     WireDtype,
 )
 from .decoder import CLOSED, NEED_DATA, DecoderState, FrameDecoder
+from .dtypes import decode_tensor, encode_tensor, tensor_nbytes
 from .errors import (
     CheckpointError,
     ErrorCode,
@@ -104,7 +106,12 @@ __all__ = [
     "WireDtype",
     "WireFragment",
     "WireLayout",
+    "checkpoint",
     "decode_inner_frame",
+    "decode_tensor",
+    "dtypes",
+    "encode_tensor",
+    "tensor_nbytes",
     "decode_payload",
     "encode",
     "encode_bytes",
