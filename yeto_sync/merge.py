@@ -1,0 +1,572 @@
+"""The syncer's merge math: learner weights, directional correction, avg/rda/iso, outer step.
+
+Plain numpy functions of arrays, pinned by PINNED.md § "Merge and outer step". Every choice
+that decides the bits follows the reference syncer, so that both produce the same global model:
+
+- responses merge in ascending ``(learner_id, generation)``; :func:`merged_outer_gradient`
+  sorts them itself (:func:`merge_order`), because the order of the f32 accumulation shows in
+  the last bits;
+- a per-learner coefficient (``w/Σw`` for avg, ``w/Σw/n_m`` for rda) is formed in f64 and
+  rounded once to f32; the weighted sum then accumulates in f32, learner by learner, starting
+  from +0.0;
+- norms and dot products are f64 (their summation order is numpy's: "bit-for-bit-ish");
+- the outer step is f32, evaluated as ``buf = μ·buf + Δ`` then ``Θ − lr·(Δ + μ·buf)``.
+
+Iso SVDs go through an :class:`IsoSolver`: :class:`ScalarIsoSolver` in process, or a worker pool
+(``yeto_sync.iso``) that also takes a fragment's matrices in one batch (:class:`BatchIsoSolver`).
+
+Nothing here mutates an argument: functions return new arrays, and :func:`merge_round` hands
+the caller the whole new state only after every check passed (all or nothing).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Final, NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
+from numpy.typing import NDArray
+
+from yeto_proto.constants import IsoBackend, MergeMode
+from yeto_proto.identity import DeltaCorrection, LearnerWeight
+from yeto_proto.layout import WireFragment
+
+F32Array = NDArray[np.float32]
+F64Array = NDArray[np.float64]
+
+#: What a merge needs to know about a fragment: merge mode, tensor numels, iso matrix shapes.
+FragmentGeometry = WireFragment
+
+# HeLoCo constants (PINNED.md): fixed by the protocol, not configurable.
+HELOCO_C_OK: Final = 0.2
+HELOCO_K_S: Final = 0.5
+HELOCO_K_D: Final = 1.0
+HELOCO_BETA_MAX: Final = 0.5
+HELOCO_KAPPA: Final = 3.0
+HELOCO_EPS: Final = 1e-8
+#: Below this mean-direction norm rda falls back to avg.
+RDA_DEGENERATE_NORM: Final = 1e-12
+#: Iso keeps singular directions with σ > σ_max · max(rows, cols) · 2^-52.
+ISO_RELATIVE_CUTOFF: Final = 2.0**-52
+#: Elements per pass of the blocked loops: 1 MiB of f32 / 2 MiB of f64 stays in cache.
+_BLOCK: Final = 1 << 18
+#: Up to this size one einsum call beats widening into a buffer (many small tensors).
+_SMALL: Final = 1 << 13
+#: The scalar iso solver keeps its f64 work buffers for matrices up to this many elements.
+_ISO_REUSE_MAX: Final = 1 << 22
+
+
+class MergeError(Exception):
+    """A round cannot commit (non-finite merged Δ or step result, or a failed iso solve).
+
+    Raised before any caller state changes; the coordinator records it and the round fails.
+    """
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Response:
+    """One learner's accepted contribution to one round.
+
+    ``outer_grad`` is the signed outer gradient Δ_m = −d_m of the whole fragment, flat f32,
+    already negated at decode time. It is read, never written.
+    """
+
+    learner_id: int
+    generation: int
+    c_steps: int
+    c_tokens: int
+    outer_grad: F32Array
+
+    def __post_init__(self) -> None:
+        if self.learner_id < 0 or self.generation < 1:
+            raise ValueError(f"bad member ({self.learner_id}, {self.generation})")
+        if self.c_steps < 1 or self.c_tokens < 0:
+            raise ValueError(f"bad counters c_steps={self.c_steps} c_tokens={self.c_tokens}")
+        grad = self.outer_grad
+        if not isinstance(grad, np.ndarray) or grad.dtype != np.float32 or grad.ndim != 1:
+            raise ValueError("outer_grad must be a flat float32 numpy array")
+
+    @property
+    def member(self) -> tuple[int, int]:
+        return (self.learner_id, self.generation)
+
+
+@dataclass(frozen=True, slots=True)
+class MergeConfig:
+    learner_weight: LearnerWeight = LearnerWeight.TOKENS2_OVER_STEPS
+    delta_correction: DeltaCorrection = DeltaCorrection.HELOCO
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "learner_weight", LearnerWeight(self.learner_weight))
+        object.__setattr__(self, "delta_correction", DeltaCorrection(self.delta_correction))
+        if not (math.isfinite(self.outer_lr) and math.isfinite(self.outer_momentum)):
+            raise ValueError("outer_lr and outer_momentum must be finite")
+
+
+class LedgerEntry(NamedTuple):
+    """Cumulative per-learner-id counters, as the checkpoint stores them."""
+
+    merges: int
+    steps: int
+    tokens: int
+
+
+# -- iso solvers -----------------------------------------------------------------------------
+class IsoSolver(Protocol):
+    """Turns one averaged matrix G into σ̄ · Σ_kept u_i v_iᵀ (PINNED.md, iso).
+
+    ``matrix`` is the flat row-major rows × cols average (f32 or f64); the result is a new flat
+    f32 array of the same length. A zero matrix must come back zero. An implementation that
+    cannot solve raises :class:`MergeError`.
+    """
+
+    @property
+    def backend(self) -> IsoBackend:
+        """The id a checkpoint records for results produced by this solver."""
+        ...
+
+    def polar_flatten(
+        self, matrix: NDArray[np.float32] | NDArray[np.float64], rows: int, cols: int
+    ) -> F32Array: ...
+
+
+@runtime_checkable
+class BatchIsoSolver(IsoSolver, Protocol):
+    """An iso solver that also takes all of a fragment's matrices at once (a worker pool).
+
+    Results come back in the order given; the first failure raises :class:`MergeError`.
+    """
+
+    def polar_flatten_many(
+        self, matrices: Sequence[tuple[NDArray[np.float32] | NDArray[np.float64], int, int]]
+    ) -> list[F32Array]: ...
+
+
+class ScalarIsoSolver:
+    """In-process exact SVD in f64 (``numpy.linalg.svd``): the ``scalar`` iso backend."""
+
+    def __init__(self) -> None:
+        self._held = threading.local()
+
+    def _f64_buffers(self, size: int) -> tuple[F64Array, F64Array]:
+        """Two f64 work arrays of ``size``, reused per thread for matrices up to a cap.
+
+        Fresh multi-megabyte buffers per tensor showed up as page faults costing a fifth of the
+        SVD time on 4096x256 matrices; above the cap the cubic SVD dwarfs that, and keeping
+        such buffers resident would not pay.
+        """
+        if size > _ISO_REUSE_MAX:
+            return np.empty(size, dtype=np.float64), np.empty(size, dtype=np.float64)
+        held: tuple[F64Array, F64Array] | None = getattr(self._held, "buffers", None)
+        if held is None or held[0].size < size:
+            held = (np.empty(size, dtype=np.float64), np.empty(size, dtype=np.float64))
+            self._held.buffers = held
+        return held[0][:size], held[1][:size]
+
+    @property
+    def backend(self) -> IsoBackend:
+        return IsoBackend.SCALAR
+
+    def polar_flatten(
+        self, matrix: NDArray[np.float32] | NDArray[np.float64], rows: int, cols: int
+    ) -> F32Array:
+        if rows <= 0 or cols <= 0 or matrix.size != rows * cols:
+            raise ValueError(f"iso matrix of {matrix.size} values is not {rows}x{cols}")
+        flat = matrix.reshape(rows * cols)
+        if not flat.any():
+            return np.zeros(rows * cols, dtype=np.float32)
+        source, target = self._f64_buffers(rows * cols)
+        g = source.reshape(rows, cols)
+        np.copyto(g, flat.reshape(rows, cols))
+        try:
+            u, sigma, vt = np.linalg.svd(g, full_matrices=False)
+        except np.linalg.LinAlgError as exc:
+            raise MergeError(f"iso SVD of a {rows}x{cols} matrix failed: {exc}") from exc
+        sigma_bar = float(sigma.sum()) / min(rows, cols)
+        cutoff = float(sigma[0]) * max(rows, cols) * ISO_RELATIVE_CUTOFF
+        # numpy returns σ in descending order, so the kept directions are a prefix.
+        rank = int(np.count_nonzero(sigma > cutoff))
+        # σ̄ goes on the small factor (rank × cols) instead of a pass over the product.
+        product = target.reshape(rows, cols)
+        np.matmul(u[:, :rank], vt[:rank] * sigma_bar, out=product)
+        return target.astype(np.float32)
+
+
+SCALAR_ISO_SOLVER: Final = ScalarIsoSolver()
+
+
+# -- small helpers ---------------------------------------------------------------------------
+class _BlockBuffers(threading.local):
+    """Per-thread block buffers, reused: fresh megabyte buffers cost page faults on every call.
+
+    No helper that holds them calls another helper that uses them.
+    """
+
+    def __init__(self) -> None:
+        self.narrow = np.empty(_BLOCK, dtype=np.float32)
+        self.wide = (np.empty(_BLOCK, dtype=np.float64), np.empty(_BLOCK, dtype=np.float64))
+
+
+_BUFFERS = _BlockBuffers()
+
+
+def _widened(*arrays: NDArray[np.floating]) -> Iterator[tuple[slice, list[F64Array]]]:
+    """Walk one or two equal-length flat arrays block by block, widened into f64 buffers.
+
+    f64 arithmetic then runs on cache-resident blocks instead of full-size f64 copies.
+    """
+    size = arrays[0].size
+    buffers = _BUFFERS.wide[: len(arrays)]
+    for start in range(0, size, _BLOCK):
+        stop = min(start + _BLOCK, size)
+        views = [buffer[: stop - start] for buffer in buffers]
+        for view, array in zip(views, arrays, strict=True):
+            np.copyto(view, array[start:stop])
+        yield slice(start, stop), views
+
+
+def _sum_of_squares(a: NDArray[np.floating]) -> float:
+    if a.size <= _SMALL:
+        return float(np.einsum("i,i->", a, a, dtype=np.float64))
+    total = 0.0
+    for _, (x,) in _widened(a):
+        np.multiply(x, x, out=x)
+        total += float(np.add.reduce(x))
+    return total
+
+
+def _sum_of_squares_and_dot(a: F32Array, b: F32Array) -> tuple[float, float]:
+    """(Σa², Σa·b) in f64, in one pass over both arrays."""
+    if a.size <= _SMALL:
+        return (
+            float(np.einsum("i,i->", a, a, dtype=np.float64)),
+            float(np.einsum("i,i->", a, b, dtype=np.float64)),
+        )
+    squares = products = 0.0
+    for _, (x, y) in _widened(a, b):
+        np.multiply(y, x, out=y)
+        products += float(np.add.reduce(y))
+        np.multiply(x, x, out=x)
+        squares += float(np.add.reduce(x))
+    return squares, products
+
+
+def _norm(a: NDArray[np.floating]) -> float:
+    return math.sqrt(_sum_of_squares(a))
+
+
+def _all_finite(a: NDArray[np.float32]) -> bool:
+    return bool(np.isfinite(a).all())
+
+
+def _sequential_sum(values: Iterable[float]) -> float:
+    """Left-to-right f64 sum (not pairwise, not compensated), as the reference adds."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
+
+
+def _tensor_slices(geometry: FragmentGeometry) -> list[slice]:
+    ends = list(accumulate(geometry.numels))
+    return [slice(end - numel, end) for numel, end in zip(geometry.numels, ends, strict=True)]
+
+
+def _accumulate_into(
+    out: F32Array, deltas: Sequence[F32Array], coefs: Sequence[float], *, norm: bool = False
+) -> float:
+    """out = Σ f32(coef_m)·Δ_m, accumulated in f32 from +0.0 in the given order.
+
+    Works block by block so the partial sums stay in cache (each element still sees the
+    learners in order, so the bits do not depend on the block size). With ``norm`` it also
+    returns ‖out‖ in f64, taken while each block is hot; otherwise 0.0.
+    """
+    factors = [np.float32(coef) for coef in coefs]
+    scratch = _BUFFERS.narrow
+    wide = _BUFFERS.wide[0] if norm else None
+    total = 0.0
+    for start in range(0, out.size, _BLOCK):
+        stop = min(start + _BLOCK, out.size)
+        part, tmp = out[start:stop], scratch[: stop - start]
+        part.fill(0.0)
+        for delta, factor in zip(deltas, factors, strict=True):
+            np.multiply(delta[start:stop], factor, out=tmp)
+            np.add(part, tmp, out=part)
+        if wide is not None:
+            x = wide[: stop - start]
+            np.copyto(x, part)
+            np.multiply(x, x, out=x)
+            total += float(np.add.reduce(x))
+    return math.sqrt(total)
+
+
+# -- weights and order -----------------------------------------------------------------------
+def merge_order(responses: Iterable[Response]) -> tuple[Response, ...]:
+    """Responses in merge order, ascending ``(learner_id, generation)``; duplicates refused."""
+    ordered = tuple(sorted(responses, key=lambda r: r.member))
+    for before, after in zip(ordered, ordered[1:], strict=False):
+        if before.member == after.member:
+            raise ValueError(f"member {before.member} answered twice")
+    return ordered
+
+
+def learner_weights(responses: Sequence[Response], mode: LearnerWeight) -> F64Array:
+    """w = c_tokens² / c_steps in f64 (or 1 each with ``equal``), in the order given."""
+    if LearnerWeight(mode) is LearnerWeight.EQUAL:
+        return np.ones(len(responses), dtype=np.float64)
+    tokens = np.array([float(r.c_tokens) for r in responses], dtype=np.float64)
+    steps = np.array([float(r.c_steps) for r in responses], dtype=np.float64)
+    weights: F64Array = tokens * tokens / steps
+    return weights
+
+
+# -- directional correction ------------------------------------------------------------------
+def heloco_correct(delta: F32Array, momentum: F32Array) -> F32Array:
+    """HeLoCo correction of one learner's Δ for one tensor, against the pre-commit momentum.
+
+    Returns ``delta`` itself when no branch changes it, else a new f32 array; never writes
+    into either argument.
+    """
+    if delta.shape != momentum.shape:
+        raise ValueError(f"delta {delta.shape} and momentum {momentum.shape} differ")
+    return _heloco(delta, momentum, _norm(momentum))
+
+
+def _heloco(delta: F32Array, momentum: F32Array, momentum_norm: float) -> F32Array:
+    # ‖m‖ is shared by every learner of a tensor: the caller computes it once.
+    if momentum_norm < HELOCO_EPS:
+        return delta
+    delta_squares, dot = _sum_of_squares_and_dot(delta, momentum)
+    delta_norm = math.sqrt(delta_squares)
+    if delta_norm < HELOCO_EPS:
+        return delta
+    cosine = dot / (delta_norm * momentum_norm)
+    if cosine >= HELOCO_C_OK:
+        return delta
+    confidence = delta_norm / (delta_norm + HELOCO_KAPPA * momentum_norm + HELOCO_EPS)
+    if cosine < 0.0:
+        beta = min(HELOCO_K_S * (-cosine) * confidence, HELOCO_BETA_MAX)
+        # Δ − β·c·‖Δ‖·v̂ with v̂ = m/‖m‖, folded into one f32 coefficient on m.
+        coef = np.float32(-beta * cosine * delta_norm / momentum_norm)
+        shrunk: F32Array = np.multiply(momentum, coef)
+        np.add(shrunk, delta, out=shrunk)
+        return shrunk
+    mix = min(HELOCO_K_D * (1.0 - cosine) * confidence, 1.0)
+    # ũ = (1−λ)û + λv̂ in f64, rounded to f32, then scaled back to the original magnitude
+    # ‖Δ‖·ũ/max(‖ũ‖, ε) with ‖ũ‖ taken from the f64 values.
+    delta_weight, momentum_weight = (1.0 - mix) / delta_norm, mix / momentum_norm
+    rotated = np.empty_like(delta)
+    squares = 0.0
+    for part, (x, y) in _widened(delta, momentum):
+        np.multiply(x, delta_weight, out=x)
+        np.multiply(y, momentum_weight, out=y)
+        np.add(x, y, out=x)
+        np.copyto(rotated[part], x, casting="same_kind")
+        np.multiply(x, x, out=x)
+        squares += float(np.add.reduce(x))
+    rotated *= np.float32(delta_norm / max(math.sqrt(squares), HELOCO_EPS))
+    return rotated
+
+
+# -- merge -----------------------------------------------------------------------------------
+def merged_outer_gradient(
+    geometry: FragmentGeometry,
+    responses: Iterable[Response],
+    momentum: F32Array,
+    config: MergeConfig,
+    iso_solver: IsoSolver = SCALAR_ISO_SOLVER,
+) -> F32Array:
+    """The merged Δ of one round: correction per learner and tensor, then the fragment's mode.
+
+    ``momentum`` is the fragment's Nesterov buffer before this commit (read only).
+    """
+    ordered = merge_order(responses)
+    numel = geometry.numel
+    if momentum.shape != (numel,) or momentum.dtype != np.float32:
+        raise ValueError(f"momentum must be float32 of shape ({numel},)")
+    for response in ordered:
+        if response.outer_grad.shape != (numel,):
+            raise ValueError(
+                f"learner {response.member} sent {response.outer_grad.size} values, "
+                f"fragment has {numel}"
+            )
+    merged = np.zeros(numel, dtype=np.float32)
+    weights = [float(w) for w in learner_weights(ordered, config.learner_weight)]
+    weight_sum = _sequential_sum(weights)
+    if not weight_sum > 0.0:
+        return merged
+    avg_coefs = [w / weight_sum for w in weights]
+    slices = _tensor_slices(geometry)
+    per_tensor = [[r.outer_grad[part] for r in ordered] for part in slices]
+    corrected = False
+    if config.delta_correction is DeltaCorrection.HELOCO:
+        for part, deltas in zip(slices, per_tensor, strict=True):
+            tensor_momentum = momentum[part]
+            momentum_norm = _norm(tensor_momentum)
+            for m, delta in enumerate(deltas):
+                deltas[m] = _heloco(delta, tensor_momentum, momentum_norm)
+                corrected = corrected or deltas[m] is not delta
+    mode = geometry.merge_mode
+    if mode is MergeMode.AVG and not corrected:
+        # avg is element-wise: one pass over the whole fragment gives the same bits.
+        _accumulate_into(merged, [r.outer_grad for r in ordered], avg_coefs)
+        return merged
+    outs = [merged[part] for part in slices]
+    if mode is MergeMode.RDA:
+        for out, deltas in zip(outs, per_tensor, strict=True):
+            _rda_into(out, deltas, weights, weight_sum, avg_coefs)
+        return merged
+    for out, deltas in zip(outs, per_tensor, strict=True):
+        _accumulate_into(out, deltas, avg_coefs)
+    if mode is MergeMode.ISO:
+        _iso_into(outs, geometry.matrix_shapes, iso_solver)
+    return merged
+
+
+def _rda_into(
+    out: F32Array,
+    deltas: Sequence[F32Array],
+    weights: Sequence[float],
+    weight_sum: float,
+    avg_coefs: Sequence[float],
+) -> None:
+    norms = [_norm(d) for d in deltas]
+    radial = _sequential_sum(w * n for w, n in zip(weights, norms, strict=True)) / weight_sum
+    moving = [
+        (d, w / weight_sum / n) for d, w, n in zip(deltas, weights, norms, strict=True) if n > 0.0
+    ]
+    direction_norm = _accumulate_into(
+        out, [d for d, _ in moving], [c for _, c in moving], norm=True
+    )
+    if direction_norm < RDA_DEGENERATE_NORM:
+        # All-zero or cancelling directions: the plain weighted average.
+        _accumulate_into(out, deltas, avg_coefs)
+        return
+    out *= np.float32(radial / direction_norm)
+
+
+def _iso_into(
+    outs: Sequence[F32Array], shapes: Sequence[tuple[int, int]], solver: IsoSolver
+) -> None:
+    """Replace each averaged tensor in ``outs`` by its flattened spectrum."""
+    jobs = list(zip(outs, (r for r, _ in shapes), (c for _, c in shapes), strict=True))
+    for out, rows, cols in jobs:
+        if not _all_finite(out):
+            raise MergeError(f"iso input of a {rows}x{cols} tensor is not finite")
+    if isinstance(solver, BatchIsoSolver):
+        # One batch, so a pool can solve the fragment's tensors in parallel.
+        results = solver.polar_flatten_many(jobs)
+        if len(results) != len(jobs):
+            raise MergeError(f"iso solver answered {len(results)} of {len(jobs)} matrices")
+        for (out, rows, cols), flattened in zip(jobs, results, strict=True):
+            _take_flattened(out, rows, cols, flattened)
+    else:
+        for out, rows, cols in jobs:
+            _take_flattened(out, rows, cols, solver.polar_flatten(out, rows, cols))
+
+
+def _take_flattened(out: F32Array, rows: int, cols: int, flattened: F32Array) -> None:
+    if flattened.dtype != np.float32 or flattened.size != out.size:
+        raise MergeError(f"iso solver returned {flattened.dtype} x {flattened.size}")
+    if not _all_finite(flattened):
+        raise MergeError(f"iso solver returned non-finite values for a {rows}x{cols} tensor")
+    np.copyto(out, flattened.reshape(out.shape))
+
+
+def gnorm(delta: F32Array) -> float:
+    """‖Δ‖ in f64, as the event tape reports it."""
+    return _norm(delta)
+
+
+# -- outer step ------------------------------------------------------------------------------
+def nesterov_step(
+    params: F32Array, momentum: F32Array, delta: F32Array, lr: float, mu: float
+) -> tuple[F32Array, F32Array]:
+    """f32 Nesterov: ``buf ← μ·buf + Δ; Θ ← Θ − lr·(Δ + μ·buf)``.
+
+    Returns ``(new_params, new_momentum)`` as new arrays; the arguments are never written, so
+    a caller commits by replacing its references. Raises :class:`MergeError` if ``delta`` or
+    either result is not finite.
+    """
+    if not (params.shape == momentum.shape == delta.shape) or params.ndim != 1:
+        raise ValueError("params, momentum and delta must be flat arrays of one length")
+    for name, array in (("params", params), ("momentum", momentum), ("delta", delta)):
+        if array.dtype != np.float32:
+            raise ValueError(f"{name} must be float32, not {array.dtype}")
+    if not _all_finite(delta):
+        raise MergeError("merged outer gradient is not finite; commit refused")
+    lr32, mu32 = np.float32(lr), np.float32(mu)
+    with np.errstate(over="ignore", invalid="ignore"):
+        new_momentum = np.multiply(momentum, mu32)
+        np.add(new_momentum, delta, out=new_momentum)
+        new_params = np.multiply(new_momentum, mu32)
+        np.add(new_params, delta, out=new_params)
+        np.multiply(new_params, lr32, out=new_params)
+        np.subtract(params, new_params, out=new_params)
+    if not (_all_finite(new_momentum) and _all_finite(new_params)):
+        raise MergeError("outer step produced non-finite parameters or momentum; commit refused")
+    return new_params, new_momentum
+
+
+# -- ledger ----------------------------------------------------------------------------------
+def update_ledger(
+    ledger: Mapping[int, tuple[int, int, int]], responses: Iterable[Response]
+) -> dict[int, LedgerEntry]:
+    """A new ledger with each response counted: merges + 1, steps + c_steps, tokens + c_tokens.
+
+    Keyed by learner id across generations; ``ledger`` itself is left as it was.
+    """
+    updated = {learner: LedgerEntry(*entry) for learner, entry in ledger.items()}
+    for response in responses:
+        merges, steps, tokens = updated.get(response.learner_id, LedgerEntry(0, 0, 0))
+        updated[response.learner_id] = LedgerEntry(
+            merges + 1, steps + response.c_steps, tokens + response.c_tokens
+        )
+    return updated
+
+
+# -- one round -------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, eq=False)
+class RoundMerge:
+    """Everything one commit produces; the caller swaps it in only after it was returned."""
+
+    responses: tuple[Response, ...]  # in merge order
+    weights: tuple[float, ...]  # aligned with ``responses``
+    delta: F32Array
+    gnorm: float
+    params: F32Array
+    momentum: F32Array
+    ledger: dict[int, LedgerEntry]
+
+
+def merge_round(
+    geometry: FragmentGeometry,
+    responses: Iterable[Response],
+    params: F32Array,
+    momentum: F32Array,
+    ledger: Mapping[int, tuple[int, int, int]],
+    config: MergeConfig,
+    iso_solver: IsoSolver = SCALAR_ISO_SOLVER,
+) -> RoundMerge:
+    """Merge, outer step and ledger of one round, all or nothing (:class:`MergeError`)."""
+    ordered = merge_order(responses)
+    delta = merged_outer_gradient(geometry, ordered, momentum, config, iso_solver)
+    new_params, new_momentum = nesterov_step(
+        params, momentum, delta, config.outer_lr, config.outer_momentum
+    )
+    weights = learner_weights(ordered, config.learner_weight)
+    return RoundMerge(
+        responses=ordered,
+        weights=tuple(float(w) for w in weights),
+        delta=delta,
+        gnorm=gnorm(delta),
+        params=new_params,
+        momentum=new_momentum,
+        ledger=update_ledger(ledger, ordered),
+    )
