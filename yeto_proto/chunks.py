@@ -12,10 +12,8 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
+from .buffers import BufferPool
 from .constants import (
-    ALLOCATION_CEILING,
     CHUNK_ENVELOPE_SIZE,
     CHUNK_SLICE_SIZE,
     FRAME_MAGIC,
@@ -88,12 +86,10 @@ class ChunkSlicer:
 class _Partial:
     __slots__ = ("total_len", "buffer", "spans", "filled")
 
-    def __init__(self, total_len: int) -> None:
+    def __init__(self, total_len: int, buffers: BufferPool) -> None:
         self.total_len = total_len
         # Uninitialized: a message completes only once every byte has been written.
-        if total_len > ALLOCATION_CEILING:
-            raise MemoryError
-        self.buffer = np.empty(total_len, dtype=np.uint8).data
+        self.buffer = buffers.take(total_len)
         self.spans: list[tuple[int, int]] = []  # sorted, disjoint [start, end)
         self.filled = 0
 
@@ -108,9 +104,14 @@ class Reassembler:
     """Reassembles the CHUNKs one connection group receives; drop it with the group."""
 
     def __init__(
-        self, receiver: Role, limits: Limits, max_partials: int = MAX_PARTIAL_MESSAGES
+        self,
+        receiver: Role,
+        limits: Limits,
+        max_partials: int = MAX_PARTIAL_MESSAGES,
+        buffers: BufferPool | None = None,
     ) -> None:
         self.receiver = receiver
+        self._buffers = BufferPool() if buffers is None else buffers
         self.limits = limits
         self.max_partials = max_partials
         self.inner_limit = limits.inner_limit(receiver)
@@ -166,7 +167,7 @@ class Reassembler:
                     ErrorCode.TOO_MANY_PARTIALS, f"more than {self.max_partials} partial messages"
                 )
             try:
-                partial = _Partial(chunk.total_len)
+                partial = _Partial(chunk.total_len, self._buffers)
             except (
                 MemoryError,
                 OverflowError,

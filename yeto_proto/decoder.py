@@ -18,10 +18,8 @@ from __future__ import annotations
 import enum
 from collections import deque
 
-import numpy as np
-
+from .buffers import BufferPool
 from .constants import (
-    ALLOCATION_CEILING,
     CHUNK_ENVELOPE_SIZE,
     EXACT_PAYLOAD_SIZES,
     FIRST_FRAME_LIMIT,
@@ -131,8 +129,10 @@ class FrameDecoder:
         num_learners: int | None = None,
         hello_key: bytes | None = None,
         enforce_first_frame: bool | None = None,
+        buffers: BufferPool | None = None,
     ) -> None:
         self.receiver = receiver
+        self._buffers = BufferPool() if buffers is None else buffers
         self._limits = limits
         self._num_learners = num_learners
         self._hello_key = hello_key
@@ -221,10 +221,8 @@ class FrameDecoder:
             first_frame=self._first_pending,
         )
         try:
-            if length > ALLOCATION_CEILING:
-                raise MemoryError
             # Uninitialized: every byte is written by the peer's data before anyone reads it.
-            self._payload = np.empty(length, dtype=np.uint8).data
+            self._payload = self._buffers.take(length)
         except (MemoryError, ValueError):  # within the limit, beyond this machine
             raise RemoteProtocolError(
                 ErrorCode.FRAME_TOO_LARGE, f"cannot allocate {length} bytes"

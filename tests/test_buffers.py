@@ -1,0 +1,70 @@
+"""The receive-buffer pool reuses a buffer only once nothing made from it is alive."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from yeto_proto import BcastFragment, FrameDecoder, Limits, MergeMode, Role, WireDtype, encode_bytes
+from yeto_proto.buffers import BufferPool
+from yeto_proto.constants import ALLOCATION_CEILING
+from yeto_proto.layout import WireFragment, WireLayout
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def test_a_released_buffer_is_handed_out_again() -> None:
+    pool = BufferPool()
+    first = pool.take(1000)
+    at = _address(first)
+    del first
+    assert _address(pool.take(1000)) == at
+
+
+def test_a_buffer_with_a_live_view_is_never_reused() -> None:
+    pool = BufferPool()
+    first = pool.take(1000)
+    derived = np.frombuffer(first[10:20], dtype=np.uint8)  # a view of a slice of the buffer
+    at = _address(first)
+    del first
+    second = pool.take(1000)
+    assert _address(second) != at
+    second[:] = b"\xff" * 1000
+    assert derived.base is not None  # still alive and untouched by the second frame
+    del derived
+
+
+def test_sizes_far_from_the_request_are_not_reused() -> None:
+    pool = BufferPool()
+    big = pool.take(10_000)
+    at = _address(big)
+    del big
+    assert _address(pool.take(100)) != at  # more than twice the request: not a fit
+
+
+def test_idle_memory_is_bounded() -> None:
+    pool = BufferPool(max_tracked=8, max_idle_bytes=3000)
+    for size in (1000, 2000, 4000, 8000):
+        pool.take(size)  # each released at once
+    assert pool.tracked_bytes <= 3000 + 8000
+
+
+def test_absurd_sizes_fail_before_allocating() -> None:
+    with pytest.raises(MemoryError):
+        BufferPool().take(ALLOCATION_CEILING + 1)
+
+
+def test_decoded_messages_keep_their_bytes_while_later_frames_arrive() -> None:
+    layout = WireLayout((WireFragment(MergeMode.AVG, (256,)),))
+    decoder = FrameDecoder(Role.LEARNER, limits=Limits.of(WireDtype.F32, layout))
+    held = []
+    for version in range(5):
+        values = np.full(256, version, dtype="<f4")
+        decoder.feed(encode_bytes(BcastFragment(0, version, values.data)))
+        message = decoder.next_frame()
+        assert isinstance(message, BcastFragment)
+        held.append(message)
+    for version, message in enumerate(held):
+        assert np.all(np.frombuffer(message.data, dtype="<f4") == version)

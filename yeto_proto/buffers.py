@@ -1,0 +1,68 @@
+"""Reusable receive buffers.
+
+A frame's payload, and the messages decoded from it, are views of one buffer. Writing the next
+frame of the same size into a buffer the process has already touched is about twice as fast as
+into fresh memory (no page faults), so decoders take their buffers from a pool that hands a
+buffer out again once nothing refers to it any more. "Nothing refers to it" is read from the
+buffer's CPython reference count: every memoryview or numpy view of a buffer keeps it referenced,
+so a buffer is reused only when no message, array or view made from it is alive. Elsewhere
+(no ``sys.getrefcount``) the pool simply allocates.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .constants import ALLOCATION_CEILING
+
+#: References a buffer has while only the pool holds it: the pool's list and getrefcount's own.
+_IDLE_REFERENCES = 2
+_CAN_COUNT = hasattr(sys, "getrefcount")
+
+
+class BufferPool:
+    """Hands out uninitialized byte buffers, reusing idle ones of a fitting size.
+
+    ``max_tracked`` bounds how many buffers the pool watches; ``max_idle_bytes`` bounds how much
+    idle memory it keeps for reuse (idle buffers beyond it are let go).
+    """
+
+    def __init__(self, max_tracked: int = 8, max_idle_bytes: int = 64 << 20) -> None:
+        self.max_tracked = max_tracked
+        self.max_idle_bytes = max_idle_bytes
+        self._tracked: list[NDArray[np.uint8]] = []
+
+    def take(self, size: int) -> memoryview:
+        """A writable view of ``size`` uninitialized bytes.
+
+        Raises ``MemoryError`` when ``size`` is beyond :data:`ALLOCATION_CEILING` or the machine.
+        """
+        if size > ALLOCATION_CEILING:
+            raise MemoryError(size)
+        if not _CAN_COUNT or size == 0:
+            return np.empty(size, dtype=np.uint8).data
+        reuse: NDArray[np.uint8] | None = None
+        idle_bytes = 0
+        keep: list[NDArray[np.uint8]] = []
+        for buffer in self._tracked:
+            if sys.getrefcount(buffer) > _IDLE_REFERENCES + 1:  # +1: the loop variable
+                keep.append(buffer)
+            elif reuse is None and size <= buffer.nbytes <= 2 * size:
+                reuse = buffer
+                keep.append(buffer)
+            elif idle_bytes + buffer.nbytes <= self.max_idle_bytes:
+                idle_bytes += buffer.nbytes
+                keep.append(buffer)
+        if reuse is None:
+            reuse = np.empty(size, dtype=np.uint8)
+            if len(keep) < self.max_tracked:
+                keep.append(reuse)
+        self._tracked = keep
+        return reuse[:size].data
+
+    @property
+    def tracked_bytes(self) -> int:
+        return sum(b.nbytes for b in self._tracked)
