@@ -88,8 +88,8 @@ def _pack(
     tensors: Sequence[NamedShape], bins: int, pattern: FragmentPattern
 ) -> list[list[NamedShape]]:
     bins = max(1, min(bins, len(tensors)))
-    chosen = _balanced(tensors, bins) if pattern is FragmentPattern.BALANCED else _strided(
-        tensors, bins
+    chosen = (
+        _balanced(tensors, bins) if pattern is FragmentPattern.BALANCED else _strided(tensors, bins)
     )
     return [[tensors[i] for i in group] for group in chosen if group]
 
