@@ -29,6 +29,8 @@ from .config import DEFAULT_HOST, DEFAULT_PORT, SyncerConfig
 from .coordinator import Coordinator
 from .driver import Driver, KeyValueLog, Outputs
 from .events import Exit
+from .iso import IsoPoolSettings, IsoWorkerPool
+from .merge import MergeError
 from .transport import MonotonicClock
 from .transport.group import ConnectionGroups
 from .transport.tcp import TcpTransport
@@ -277,12 +279,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         hello_key = load_hello_key(config)
         checkpoint = load_resume_checkpoint(config)
-        coordinator = Coordinator(config, checkpoint=checkpoint)
+        iso_pool = start_iso_pool(config)
+        try:
+            coordinator = Coordinator(config, checkpoint=checkpoint, iso_solver=iso_pool)
+        except BaseException:
+            if iso_pool is not None:
+                iso_pool.close()
+            raise
     except (BadInput, ValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
+    except MergeError as exc:  # the iso worker pool did not start
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILURE
     try:
-        exit_action, kept = anyio.run(_serve, config, coordinator, hello_key)
+        exit_action, kept = anyio.run(_serve, config, coordinator, hello_key, iso_pool)
     except OSError as exc:
         print(
             f"{PROG}: error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
@@ -293,12 +304,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # before the signal handlers were installed
         print(f"{PROG}: interrupted while starting; no checkpoint written", file=sys.stderr)
         return 128 + signal.SIGINT
+    finally:
+        if iso_pool is not None:
+            iso_pool.close()  # stops and, if need be, kills every worker: no orphans
     print(f"{PROG}: {exit_action.reason}; {kept}", file=sys.stderr, flush=True)
     return exit_action.code
 
 
+def start_iso_pool(config: SyncerConfig) -> IsoWorkerPool | None:
+    """The torch-svd worker pool (started, bounded), or ``None`` for the scalar backend.
+
+    Sized by ``--iso-worker-queue-capacity`` and the ``YETO_ISO_*`` environment variables
+    (:meth:`yeto_sync.iso.IsoPoolSettings.from_env`). torch loads only in the workers.
+    """
+    if config.iso_backend is not IsoBackend.TORCH_SVD:
+        return None
+    pool = IsoWorkerPool(IsoPoolSettings.from_env(config.iso_worker_queue_capacity))
+    KeyValueLog(sys.stderr)(
+        "info",
+        "iso pool started",
+        {
+            "workers": pool.settings.workers,
+            "threads_per_worker": pool.settings.threads_per_worker,
+            "capacity": pool.capacity,
+            "pids": list(pool.worker_pids),
+            "torch": pool.torch_version,
+            "startup_s": round(pool.startup_s, 3),
+        },
+    )
+    return pool
+
+
 async def _serve(
-    config: SyncerConfig, coordinator: Coordinator, hello_key: bytes | None
+    config: SyncerConfig,
+    coordinator: Coordinator,
+    hello_key: bytes | None,
+    iso_pool: IsoWorkerPool | None = None,
 ) -> tuple[Exit, str]:
     log = KeyValueLog(sys.stderr)
     clock = MonotonicClock()
@@ -310,7 +351,7 @@ async def _serve(
     )
     async with TcpTransport.serve(groups, clock, config.host, config.port, log=log) as transport:
         host, port = transport.address
-        driver = Driver(coordinator, transport, clock, outputs=outputs, log=log)
+        driver = Driver(coordinator, transport, clock, outputs=outputs, log=log, iso_pool=iso_pool)
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(_stop_on_signal, driver)
             log(

@@ -47,6 +47,7 @@ from .events import (
     WriteFinalMarker,
     WriteFinalState,
 )
+from .merge import MergeError
 from .transport import Clock, EventSource, Transport
 
 #: Seconds an ``Exit`` (or a signal) gives queued frames to reach still-connected learners.
@@ -58,6 +59,16 @@ _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
 class CoordinatorLike(Protocol):
     def handle(self, event: Event, now: float) -> Sequence[Action]: ...
+
+
+class IsoPoolGate(Protocol):
+    """What the driver asks of the torch-svd iso pool before it publishes state.
+
+    ``drain`` waits, bounded, for every admitted SVD job, then raises
+    :class:`~yeto_sync.merge.MergeError` (the pool's ``IsoPoolError``) if the pool is poisoned.
+    """
+
+    def drain(self) -> None: ...
 
 
 # -- structured log ------------------------------------------------------------------------------
@@ -134,8 +145,11 @@ class Driver:
         outputs: Outputs | None = None,
         log: Callable[[str, str, Mapping[str, object]], None] | None = None,
         shutdown_grace: float = SHUTDOWN_GRACE_S,
+        iso_pool: IsoPoolGate | None = None,
     ) -> None:
         self.coordinator = coordinator
+        #: Drained before every checkpoint write; once poisoned, no checkpoint is published.
+        self.iso_pool = iso_pool
         self.transport = transport
         self.clock = clock
         self.outputs = outputs if outputs is not None else Outputs()
@@ -270,6 +284,8 @@ class Driver:
             return
         if not isinstance(state, Checkpoint):
             raise TypeError(f"WriteCheckpoint carries {type(state).__name__}, not a Checkpoint")
+        if not await self._iso_pool_allows("checkpoint"):
+            return
         if await self._write_file("checkpoint", write_checkpoint, path, state):
             self.last_checkpoint = DurableCheckpoint(path, state.global_step, final)
             self._log(
@@ -292,8 +308,27 @@ class Driver:
             return
         if not isinstance(state, Checkpoint):
             raise TypeError(f"WriteFinalState carries {type(state).__name__}, not a Checkpoint")
+        if not await self._iso_pool_allows("final state"):
+            return
         if await self._write_file("final state", write_checkpoint, path, state):
             self._log("info", "final state written", {"path": str(path)})
+
+    async def _iso_pool_allows(self, what: str) -> bool:
+        """Drain the iso pool before a write; a poisoned pool ends the run, nothing written.
+
+        Every checkpoint drains, not only the terminal one: a cutoff checkpoint must, and this
+        driver cannot tell it from a periodic one. The coordinator solves inside its commit,
+        so at a write nothing is admitted and the drain returns at once.
+        """
+        pool = self.iso_pool
+        if pool is None:
+            return True
+        try:
+            await anyio.to_thread.run_sync(pool.drain)  # bounded by the pool's deadlines
+        except MergeError as exc:
+            await self._finish(self._fail(f"{what} not written: {exc}"))
+            return False
+        return True
 
     async def _write_file(self, what: str, writer: Callable[..., object], *args: object) -> bool:
         """Run a blocking, atomic writer in a worker thread; a failure ends the run."""
