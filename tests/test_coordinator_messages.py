@@ -136,17 +136,6 @@ def test_budget_done_without_a_budget_is_refused() -> None:
     assert closed_code(sim, a.key) == ErrorCode.BUDGET_NOT_CONFIGURED.value
 
 
-def test_budget_done_with_a_budget_reaches_the_cutoff_extension_point() -> None:
-    sim = Sim(SyncerConfig(learners=1, total_steps=2, learner_budget_steps=100), LAYOUT)
-    a = sim.learner(0, auto=False)
-    a.connect()
-
-    sim.message(a.key, BudgetDone(100))
-
-    error = sim.closed[a.key]
-    assert error is not None and "cutoff is not implemented" in error.text
-
-
 @pytest.mark.parametrize("message", [Shutdown(), BcastFragment(0, 1, memoryview(b"\0" * 16))])
 def test_frames_a_learner_may_not_send_close_the_group(message: AnyMessage) -> None:
     sim = Sim(SyncerConfig(learners=1, total_steps=2), LAYOUT)

@@ -9,7 +9,8 @@ a timer that fires after its purpose passed is ignored.
 The pieces: :mod:`.admission` (HELLO checks, session fixation), :mod:`.registry` (groups and
 generations), :mod:`.schedule` (fragment targets, pipeline, pacing, grace), :mod:`.rounds`
 (members, quorum, push acceptance), :mod:`.state` (the global model), :mod:`.finalize`
-(terminal delivery), :mod:`.tape` (event-tape lines).
+(terminal delivery), :mod:`.cutoff` (the benchmark's BUDGET_DONE cutoff), :mod:`.tape`
+(event-tape lines).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from ..events import (
 from ..merge import SCALAR_ISO_SOLVER, IsoSolver, MergeConfig, MergeError, Response, merge_round
 from . import tape
 from .admission import Admission, Refusal, SessionIdentity
+from .cutoff import CUTOFF_TIMER, BudgetCutoff, cancel_record, cutoff_record, report_record
 from .finalize import Finalization
 from .registry import Registry
 from .rounds import Accepted, Phase, Rejection, Round
@@ -136,6 +138,11 @@ class Coordinator:
         self._last_sync_s = 0.0
         self._bcasts: dict[int, BcastFragment] = {}
         self._final: Finalization | None = None
+        self._cutoff = (
+            None
+            if config.learner_budget_steps is None
+            else BudgetCutoff(budget_steps=config.learner_budget_steps, learners=config.learners)
+        )
         self._exit: Exit | None = None
 
     # -- read-only views (tests, transport, CLI) -------------------------------------------
@@ -162,6 +169,10 @@ class Coordinator:
     @property
     def finalization(self) -> Finalization | None:
         return self._final
+
+    @property
+    def cutoff(self) -> BudgetCutoff | None:
+        return self._cutoff
 
     @property
     def registry(self) -> Registry:
@@ -466,12 +477,88 @@ class Coordinator:
     def _on_budget_cutoff(
         self, key: GroupKey, report: BudgetDone, now: float, out: list[Action]
     ) -> None:
-        """Extension point for the benchmark cutoff (a later issue): first report closes
-        issuance, in-flight rounds are cancelled whole, one report per learner, then an
-        unmarked recovery checkpoint and exit 0. Until then a configured budget is refused."""
-        del report, now
-        refusal = Refusal(ErrorCode.SYNCER_ERROR, "the BUDGET_DONE cutoff is not implemented yet")
-        self._close_group(key, refusal, out)
+        """A BUDGET_DONE under a configured budget (see :mod:`.cutoff`)."""
+        cutoff = self._cutoff
+        assert cutoff is not None
+        refusal = cutoff.judge(key, report)
+        if refusal is not None:
+            self._close_group(key, refusal, out)
+            return
+        if self._final is not None:
+            # The ordinary rounds ran out first: the terminal path owns the run now.
+            out.append(Log("info", "BUDGET_DONE after the final cut; ignored", _member_fields(key)))
+            return
+        first = cutoff.accept(key, now, float(self.config.final_ack_timeout))
+        out.append(AppendTape(report_record(key, report, cutoff.missing)))
+        out.append(
+            Log(
+                "info",
+                "BUDGET_DONE accepted",
+                {**_member_fields(key), "missing": cutoff.missing},
+            )
+        )
+        if first:
+            self._cancel_rounds(out)
+            assert cutoff.deadline is not None
+            out.append(SetTimer(CUTOFF_TIMER, cutoff.deadline))
+        if cutoff.complete:
+            out.append(CancelTimer(CUTOFF_TIMER))
+            self._close_cutoff(out)
+
+    def _cancel_rounds(self, out: list[Action]) -> None:
+        """The first report: no more launches; every uncommitted round is cancelled whole."""
+        out.append(CancelTimer(LAUNCH_TIMER))
+        for cancelled in self._rounds.values():
+            out.append(CancelTimer(_round_timer("quorum", cancelled.step, cancelled.attempt)))
+            out.append(CancelTimer(_round_timer("grace", cancelled.step, cancelled.attempt)))
+            out.append(CancelTimer(_round_timer("retry", cancelled.step)))
+            out.append(AppendTape(cancel_record(cancelled)))
+        out.append(
+            Log(
+                "info",
+                "budget cutoff: issuance closed",
+                {
+                    "global_step": self.global_step,
+                    "cancelled_rounds": [r.step for r in self._rounds.values()],
+                },
+            )
+        )
+        self._rounds.clear()
+        self._next_step = self.global_step + 1
+
+    def _close_cutoff(self, out: list[Action]) -> None:
+        """Write the committed prefix as an unmarked recovery checkpoint, then exit.
+
+        Exit 0 only when every configured learner reported; the checkpoint is never marked
+        final and no final cut or SHUTDOWN is sent.
+        """
+        cutoff = self._cutoff
+        assert cutoff is not None
+        model, session = self._model, self._admission.session
+        if model is None or session is None or not model.all_initialized:
+            self._fail("budget cutoff before every fragment was initialized: nothing to save", out)
+            return
+        if not self.config.checkpoint_enabled:
+            self._fail("the budget cutoff needs --checkpoint-path for its recovery checkpoint", out)
+            return
+        # ``final`` asks for the terminal write path (the iso pool is drained first); the
+        # cutoff never writes the final marker.
+        out.append(WriteCheckpoint(self._snapshot(session), final=True))
+        out.append(AppendTape(cutoff_record(cutoff, model.global_step, model.versions)))
+        if cutoff.complete:
+            self._finish(
+                EXIT_OK,
+                f"budget cutoff at global step {model.global_step}: every learner reported "
+                f"{cutoff.budget_steps} steps; unmarked recovery checkpoint written",
+                out,
+            )
+        else:
+            self._fail(
+                f"budget cutoff incomplete: no BUDGET_DONE from learners {cutoff.missing} "
+                f"within {self.config.final_ack_timeout} s; unmarked recovery checkpoint at "
+                f"global step {model.global_step}",
+                out,
+            )
 
     # -- timers ----------------------------------------------------------------------------
     def _on_timer(self, key: str, now: float, out: list[Action]) -> None:
@@ -481,6 +568,10 @@ class Coordinator:
             return
         if kind == FINAL_ACK_TIMER:
             self._on_final_deadline(out)
+            return
+        if kind == CUTOFF_TIMER:
+            if self._cutoff is not None and self._cutoff.closed:
+                self._close_cutoff(out)
             return
         parts = rest.split(":")
         try:
@@ -542,7 +633,7 @@ class Coordinator:
         )
 
     def _launch_rounds(self, now: float, out: list[Action]) -> None:
-        if not self._started or self._final is not None:
+        if not self._started or self._final is not None or self._issuance_closed:
             return
         model = self._require_model()
         depth = pipeline_depth(self.config.pipeline, model.num_fragments)
@@ -716,7 +807,7 @@ class Coordinator:
 
     # -- finalization ----------------------------------------------------------------------
     def _maybe_finalize(self, now: float, out: list[Action]) -> None:
-        if self._final is not None or not self._started:
+        if self._final is not None or not self._started or self._issuance_closed:
             return
         if self._next_step <= self.config.total_steps or self._rounds:
             return
@@ -757,6 +848,11 @@ class Coordinator:
         out.append(SetTimer(FINAL_ACK_TIMER, final.deadline))
 
     # -- helpers ---------------------------------------------------------------------------
+    @property
+    def _issuance_closed(self) -> bool:
+        """The budget cutoff began: this process launches, commits and finalizes nothing more."""
+        return self._cutoff is not None and self._cutoff.closed
+
     def _snapshot(self, session: SessionIdentity) -> Checkpoint:
         return self._require_model().snapshot(
             iso_backend=self._solver.backend,
