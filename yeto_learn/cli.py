@@ -18,7 +18,7 @@ from typing import TypeAlias
 
 from yeto_proto.errors import ProtocolError
 
-from . import checkpoint_cli
+from . import bench_closure, checkpoint_cli, launch
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -26,7 +26,11 @@ EXIT_BAD_INPUT = 2
 #: What a subcommand module's ``register`` receives.
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 #: Each registers one top-level subcommand.
-SUBCOMMANDS: tuple[Callable[[Commands], None], ...] = (checkpoint_cli.register,)
+SUBCOMMANDS: tuple[Callable[[Commands], None], ...] = (
+    checkpoint_cli.register,
+    launch.register,
+    bench_closure.register,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,117 @@
+"""``yeto launch`` as a user runs it: one command, a syncer and M learner processes, a summary.
+
+Output goes to a pipe here, as in CI: it must stay plain text (no terminal escapes).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from syncer_process import REPO, child_env
+
+from yeto_proto import Layout
+from yeto_proto.checkpoint import is_marked_final, read_checkpoint
+
+LAUNCH = [sys.executable, "-m", "yeto_learn.cli", "launch"]
+
+
+def children_of(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'.
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def test_launch_trains_two_learners_and_summarizes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    started = time.monotonic()
+    result = subprocess.run(
+        [*LAUNCH, "--learners", "2", "--steps", "160", "--fragments", "3",
+         "--wire-dtype", "q4", "--streams", "2", "--out", str(out)],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert elapsed < 60, f"yeto launch took {elapsed:.0f} s"
+    text = result.stdout
+    assert "\x1b[" not in text, "non-terminal output must be plain"
+    assert "yeto launch: finished" in text
+    losses = re.search(r"eval loss\s+([\d.]+) → ([\d.]+)", text)
+    assert losses is not None, text
+    assert float(losses.group(2)) < float(losses.group(1)) - 1.0
+    assert re.search(r"bytes moved .*all-reduce data parallelism: .*less\)", text), text
+    assert "learners agree   yes, bit for bit" in text
+
+    checkpoint_path = out / "syncer" / "checkpoint.yeto"
+    for path in (
+        checkpoint_path,
+        out / "syncer" / "final-state.yeto",
+        out / "syncer" / "events.jsonl",
+    ):
+        assert path.is_file() and str(path) in text
+    checkpoint = read_checkpoint(checkpoint_path)
+    assert is_marked_final(checkpoint_path, checkpoint.global_step)
+    # Each learner's artifact is the syncer's final state, bit for bit, under its layout.
+    for i in range(2):
+        learner_dir = out / f"learner-{i}"
+        layout = Layout.from_json((learner_dir / "layout.json").read_text())
+        assert layout.fingerprint() == checkpoint.fingerprint
+        state = torch.load(learner_dir / "model.pt")
+        for fragment, values in zip(layout.fragments, checkpoint.fragments, strict=True):
+            flat = np.concatenate([state[t.name].reshape(-1).numpy() for t in fragment.tensors])
+            assert flat.tobytes() == values.params.tobytes()
+
+
+def test_sigterm_stops_every_child_and_says_what_was_kept(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [*LAUNCH, "--learners", "2", "--steps", "100000", "--out", str(out)],
+        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert launcher.stdout is not None
+        first = launcher.stdout.readline()
+        assert first.startswith("yeto launch: syncer on"), first
+        deadline = time.monotonic() + 30
+        children: list[int] = []
+        while time.monotonic() < deadline and len(children) < 3:
+            children = children_of(launcher.pid)
+            time.sleep(0.2)
+        assert len(children) == 3, "expected the syncer and two learners"
+        time.sleep(2.0)  # let them train a little
+        launcher.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        rest, errors = launcher.communicate(timeout=20)
+        took = time.monotonic() - stopped
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, errors
+    assert took < 10, f"stopping took {took:.1f} s"
+    last = rest.strip().splitlines()[-1]
+    assert last.startswith("yeto launch: stopped by SIGTERM"), last
+    assert "every process ended" in last and "kept:" in last
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists(), f"child {pid} outlived the launcher"
+    # Nothing claims to be final: no learner artifact, no final marker.
+    assert not (out / "learner-0" / "model.pt").exists()
+    assert not Path(str(out / "syncer" / "checkpoint.yeto") + ".final").exists()
+    assert os.path.isdir(out / "syncer")

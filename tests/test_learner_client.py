@@ -1,0 +1,420 @@
+"""The learner's network client (yeto_learn.transport) against a scripted syncer on sockets.
+
+The scripted syncer here is plain blocking sockets plus yeto_proto's syncer-side decoder and
+reassembler, so every assertion is about bytes on real TCP connections: which socket carries
+which frame, how INIT is striped, how a lost group is redialed, and when the client gives up.
+The last tests build a torch ``Learner`` against bad targets and a real yeto-sync.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scripted_learner import LearnerGroup, SessionSpec
+from syncer_process import free_port, running_syncer
+
+from yeto_learn import Learner, SyncerRefused, SyncerSilent, SyncerUnreachable
+from yeto_learn.transport import (
+    ClientConfig,
+    ClientFailed,
+    GroupLost,
+    GroupUp,
+    InboxItem,
+    Received,
+    SyncerClient,
+    SyncerProtocolViolation,
+)
+from yeto_proto import (
+    AnyMessage,
+    BcastFragment,
+    Chunk,
+    ChunkSlicer,
+    DataHello,
+    ErrorCode,
+    ErrorMessage,
+    FrameDecoder,
+    Heartbeat,
+    Hello,
+    InitParams,
+    Limits,
+    MergeMode,
+    PullReq,
+    Reassembler,
+    Role,
+    WireDtype,
+    WireFragment,
+    WireLayout,
+    encode,
+    encode_bytes,
+)
+
+LAYOUT = WireLayout((WireFragment(MergeMode.AVG, (3000, 2000)), WireFragment(MergeMode.AVG, (7,))))
+LIMITS = Limits.of(WireDtype.F32, LAYOUT)
+HELLO = Hello(
+    learner_id=3,
+    generation=1,
+    dtype=WireDtype.F32,
+    layout=LAYOUT,
+    layout_fingerprint=bytes(range(32)),
+    session_contract=bytes(range(32, 64)),
+    num_streams=0,
+)
+
+
+# -- a scripted syncer ----------------------------------------------------------------------------
+@dataclass
+class ScriptedConnection:
+    sock: socket.socket
+    first: Hello | DataHello
+    decoder: FrameDecoder
+    inbox: list[AnyMessage] = field(default_factory=list)
+
+    def read(self, timeout: float = 5.0) -> AnyMessage:
+        """The next frame from the learner on this socket."""
+        deadline = time.monotonic() + timeout
+        while not self.inbox:
+            self.sock.settimeout(max(deadline - time.monotonic(), 0.01))
+            data = self.sock.recv(1 << 16)
+            self.decoder.feed(data)
+            self.inbox += self.decoder.frames()
+            if not data and not self.inbox:
+                raise EOFError("the learner closed the socket")
+        return self.inbox.pop(0)
+
+    def send(self, message: AnyMessage) -> None:
+        self.sock.sendall(encode_bytes(message))
+
+
+@dataclass
+class ScriptedGroup:
+    control: ScriptedConnection
+    data: list[ScriptedConnection]
+
+    @property
+    def hello(self) -> Hello:
+        assert isinstance(self.control.first, Hello)
+        return self.control.first
+
+    def close(self) -> None:
+        for connection in [self.control, *self.data]:
+            connection.sock.close()
+
+
+class ScriptedSyncer:
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+
+    def accept_one(self, timeout: float) -> ScriptedConnection:
+        self.listener.settimeout(timeout)
+        sock, _ = self.listener.accept()
+        decoder = FrameDecoder(Role.SYNCER, num_learners=8)
+        connection = ScriptedConnection(sock, HELLO, decoder)
+        first = connection.read(timeout)
+        assert isinstance(first, Hello | DataHello), first
+        connection.first = first
+        decoder.set_limits(LIMITS)
+        return connection
+
+    def accept_group(self, num_streams: int, timeout: float = 5.0) -> ScriptedGroup:
+        connections = [self.accept_one(timeout) for _ in range(1 + num_streams)]
+        hellos = [c for c in connections if isinstance(c.first, Hello)]
+        assert len(hellos) == 1, "exactly one socket of a group opens with HELLO"
+        data = sorted(
+            (c for c in connections if isinstance(c.first, DataHello)),
+            key=lambda c: c.first.stream_idx if isinstance(c.first, DataHello) else -1,
+        )
+        return ScriptedGroup(hellos[0], data)
+
+    def no_connection_within(self, seconds: float) -> bool:
+        self.listener.settimeout(seconds)
+        try:
+            sock, _ = self.listener.accept()
+        except TimeoutError:
+            return True
+        sock.close()
+        return False
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.fixture
+def syncer() -> Iterator[ScriptedSyncer]:
+    scripted = ScriptedSyncer()
+    yield scripted
+    scripted.close()
+
+
+@pytest.fixture
+def make_client() -> Iterator[list[SyncerClient]]:
+    clients: list[SyncerClient] = []
+    yield clients
+    for client in clients:
+        client.close()
+
+
+def start_client(clients: list[SyncerClient], port: int, **options: float | int) -> SyncerClient:
+    config = ClientConfig("127.0.0.1", port, **options)  # type: ignore[arg-type]
+    client = SyncerClient(config, HELLO, LIMITS)
+    client.start()
+    clients.append(client)
+    return client
+
+
+def next_item(client: SyncerClient, timeout: float = 5.0) -> InboxItem:
+    item = client.wait(timeout)
+    assert item is not None, "the client delivered nothing in time"
+    return item
+
+
+# -- connection groups, striping, heartbeats --------------------------------------------------
+def test_a_group_is_hello_on_stream_0_and_one_data_hello_per_data_socket(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    client = start_client(make_client, syncer.port, num_streams=3, heartbeat_interval=60)
+    group = syncer.accept_group(3)
+    hello = group.hello
+    assert hello.num_streams == 3 and hello.learner_id == 3 and hello.generation != 0
+    assert hello.layout == LAYOUT and hello.session_contract == HELLO.session_contract
+    data_hellos = [c.first for c in group.data]
+    assert [(d.learner_id, d.generation) for d in data_hellos] == [(3, hello.generation)] * 3
+    assert sorted(d.stream_idx for d in data_hellos if isinstance(d, DataHello)) == [0, 1, 2]
+    up = next_item(client)
+    assert up == GroupUp(1, hello.generation, 3)
+    assert client.generations == [hello.generation]
+
+
+def test_init_is_striped_round_robin_over_the_data_sockets(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    client = start_client(
+        make_client, syncer.port, num_streams=3, slice_size=1000, heartbeat_interval=60
+    )
+    group = syncer.accept_group(3)
+    assert isinstance(next_item(client), GroupUp)
+    values = np.random.default_rng(1).normal(size=5000).astype(np.float32)
+    client.send(1, InitParams(0, values.view(np.uint8).data))
+    inner_size = 13 + 4 + values.nbytes
+    chunks = -(-inner_size // 1000)
+    reassembler = Reassembler(Role.SYNCER, LIMITS)
+    message = None
+    for k in range(chunks):
+        chunk = group.data[k % 3].read()  # dealt round-robin, in order, on each socket
+        assert isinstance(chunk, Chunk)
+        assert (chunk.msg_id, chunk.offset, chunk.total_len) == (0, 1000 * k, inner_size)
+        message = reassembler.add(chunk) or message
+    assert isinstance(message, InitParams) and message.fragment_id == 0
+    assert bytes(message.data) == values.tobytes()
+
+
+def test_without_data_sockets_bulk_frames_go_plain_on_stream_0(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    client = start_client(make_client, syncer.port, num_streams=0, heartbeat_interval=60)
+    group = syncer.accept_group(0)
+    assert group.hello.num_streams == 0 and group.data == []
+    assert isinstance(next_item(client), GroupUp)
+    values = np.arange(7, dtype=np.float32)
+    client.send(1, InitParams(1, values.view(np.uint8).data))
+    message = group.control.read()
+    assert isinstance(message, InitParams)  # not a CHUNK
+    assert message.fragment_id == 1 and bytes(message.data) == values.tobytes()
+
+
+def test_chunks_from_any_socket_are_reassembled_and_heartbeats_carry_local_step(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    client = start_client(make_client, syncer.port, num_streams=2, heartbeat_interval=0.2)
+    group = syncer.accept_group(2)
+    assert isinstance(next_item(client), GroupUp)
+    client.local_step = 41
+    heartbeat = group.control.read()
+    assert heartbeat == Heartbeat(3, 41)
+
+    values = np.arange(5000, dtype=np.float32)
+    bcast = BcastFragment(0, 9, values.view(np.uint8).data)
+    pieces = ChunkSlicer(2, slice_size=4096).slice(encode(bcast))
+    # Deliver out of order, crossing sockets, with a PULL on stream 0 in between.
+    for index, piece in reversed(list(enumerate(pieces))):
+        target = group.data[index % 2] if index % 3 else group.control
+        target.sock.sendall(b"".join(bytes(b) for b in piece.buffers))
+        if index == len(pieces) // 2:
+            group.control.send(PullReq(1, 4, 1))
+    received = [next_item(client), next_item(client)]
+    assert all(isinstance(r, Received) for r in received)
+    messages = [r.message for r in received if isinstance(r, Received)]
+    assert messages[0] == PullReq(1, 4, 1)
+    assert isinstance(messages[1], BcastFragment) and messages[1].version == 9
+    assert bytes(messages[1].data) == values.tobytes()
+    assert client.counters.bytes_received > values.nbytes
+
+
+# -- losing a group ----------------------------------------------------------------------------
+def test_a_lost_group_is_redialed_after_a_second_with_a_fresh_generation(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    client = start_client(make_client, syncer.port, num_streams=1, heartbeat_interval=60)
+    first = syncer.accept_group(1)
+    assert isinstance(next_item(client), GroupUp)
+    first.data[0].sock.close()  # one socket fails: the whole group goes
+    lost_at = time.monotonic()
+    lost = next_item(client)
+    assert isinstance(lost, GroupLost) and lost.epoch == 1
+    client.send(1, Heartbeat(3, 5))  # queued for the dead group: must never be sent
+    second = syncer.accept_group(1)
+    waited = time.monotonic() - lost_at
+    assert 0.8 <= waited <= 3.0, f"redialed after {waited:.2f} s, expected about 1 s"
+    up = next_item(client)
+    assert isinstance(up, GroupUp) and up.epoch == 2
+    assert second.hello.generation not in (0, first.hello.generation)
+    assert client.generations == [first.hello.generation, second.hello.generation]
+    client.send(2, Heartbeat(3, 77))
+    assert second.control.read() == Heartbeat(3, 77)
+    first.close()
+    second.close()
+
+
+def test_a_frame_cut_short_by_a_lost_connection_is_redialed_not_fatal(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    client = start_client(make_client, syncer.port, num_streams=0, heartbeat_interval=60)
+    first = syncer.accept_group(0)
+    assert isinstance(next_item(client), GroupUp)
+    first.control.sock.sendall(encode_bytes(PullReq(0, 1, 1))[:20])  # header and a bit more
+    first.close()
+    lost = next_item(client)
+    assert isinstance(lost, GroupLost) and "inside a frame" in lost.reason
+    second = syncer.accept_group(0)
+    up = next_item(client)
+    assert isinstance(up, GroupUp) and up.epoch == 2
+    assert second.hello.generation != first.hello.generation
+    second.close()
+
+
+def test_nothing_listening_fails_within_the_connect_timeout(
+    make_client: list[SyncerClient],
+) -> None:
+    port = free_port()
+    started = time.monotonic()
+    client = start_client(make_client, port, num_streams=1, connect_timeout=1.5)
+    item = next_item(client, timeout=6.0)
+    elapsed = time.monotonic() - started
+    assert isinstance(item, ClientFailed)
+    assert isinstance(item.error, SyncerUnreachable)
+    assert f"127.0.0.1:{port}" in str(item.error) and "refused" in str(item.error).lower()
+    assert 1.0 <= elapsed <= 4.0  # it retried (1 s backoff) and then gave up on time
+    assert len(client.generations) >= 2
+
+
+def test_a_decoding_error_is_fatal_and_not_redialed(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    client = start_client(make_client, syncer.port, num_streams=1, heartbeat_interval=60)
+    group = syncer.accept_group(1)
+    assert isinstance(next_item(client), GroupUp)
+    group.control.sock.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+    items = [next_item(client), next_item(client)]
+    assert isinstance(items[0], GroupLost)
+    failed = items[1]
+    assert isinstance(failed, ClientFailed)
+    assert isinstance(failed.error, SyncerProtocolViolation)
+    assert failed.error.code is ErrorCode.BAD_MAGIC
+    assert syncer.no_connection_within(1.5)
+
+
+def test_after_error_the_client_reports_it_and_never_redials(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    client = start_client(make_client, syncer.port, num_streams=1, heartbeat_interval=60)
+    group = syncer.accept_group(1)
+    assert isinstance(next_item(client), GroupUp)
+    group.control.send(ErrorMessage("session layout mismatch"))
+    group.close()
+    received = next_item(client)
+    assert isinstance(received, Received)
+    assert received.message == ErrorMessage("session layout mismatch")
+    assert isinstance(next_item(client), GroupLost)
+    assert syncer.no_connection_within(1.5)
+    deadline = time.monotonic() + 3
+    while client.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not client.running
+
+
+# -- a torch Learner against bad targets ---------------------------------------------------------
+def tiny_model(width: int = 4) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, width), torch.nn.Tanh(), torch.nn.Linear(width, 1)
+    )
+
+
+def test_learner_pointed_at_nothing_raises_within_connect_timeout() -> None:
+    port = free_port()
+    started = time.monotonic()
+    with pytest.raises(SyncerUnreachable, match=f"127.0.0.1:{port}"):
+        Learner(tiny_model(), syncer=f"127.0.0.1:{port}", learner_id=0, num_learners=1,
+                fragments=2, connect_timeout=1.5)  # fmt: skip
+    assert time.monotonic() - started < 4.0
+
+
+def test_learner_pointed_at_a_silent_port_raises_within_connect_timeout() -> None:
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never speaks
+    port = silent.getsockname()[1]
+    started = time.monotonic()
+    try:
+        with pytest.raises(SyncerSilent, match="no session started"):
+            Learner(tiny_model(), syncer=f"127.0.0.1:{port}", learner_id=0, num_learners=1,
+                    fragments=2, connect_timeout=1.5)  # fmt: skip
+    finally:
+        silent.close()
+    assert time.monotonic() - started < 4.0
+
+
+def test_learner_pointed_at_a_port_speaking_another_protocol_raises() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def answer_like_http() -> None:
+        server.settimeout(5)
+        with server.accept()[0] as conn:
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+            time.sleep(0.5)
+
+    threading.Thread(target=answer_like_http, daemon=True).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(SyncerProtocolViolation, match="BAD_MAGIC"):
+            Learner(tiny_model(), syncer=f"127.0.0.1:{port}", learner_id=0, num_learners=1,
+                    fragments=2, streams=0, connect_timeout=3)  # fmt: skip
+    finally:
+        server.close()
+    assert time.monotonic() - started < 4.0
+
+
+def test_learner_with_another_layout_is_refused_by_a_real_syncer(tmp_path: Path) -> None:
+    with running_syncer(tmp_path, learners=2, total_steps=4) as sync:
+        host, port = sync.address.rsplit(":", 1)
+        # Learner 0 fixes the session with one layout...
+        spec = SessionSpec(WireDtype.F32, LAYOUT, bytes(32), bytes(32))
+        first = LearnerGroup((host, int(port)), spec, learner_id=0, generation=11, num_streams=0)
+        first.connect()
+        started = time.monotonic()
+        # ...so a learner whose model has another layout is refused with the syncer's reason.
+        with pytest.raises(SyncerRefused) as refused:
+            Learner(tiny_model(), syncer=sync.address, learner_id=1, num_learners=2,
+                    fragments=2, run_id="r", connect_timeout=10)  # fmt: skip
+        assert time.monotonic() - started < 5.0
+        assert sync.address in str(refused.value)
+        assert refused.value.code is ErrorCode.SYNCER_ERROR
+        assert "layout" in refused.value.text.lower() or "mismatch" in refused.value.text.lower()
+        first.close()

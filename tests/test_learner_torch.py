@@ -1,0 +1,393 @@
+"""The torch ``Learner`` end to end against a real yeto-sync subprocess on 127.0.0.1.
+
+Two learners (threads of this process, each with its own network thread) fit a small
+regression model. After finalization every learner's parameters must equal the syncer's final
+checkpoint bit for bit — read with yeto_proto's checkpoint reader — and the learner's artifact
+must carry the same state and a layout that ``yeto checkpoint export`` accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from numpy.typing import NDArray
+from syncer_process import REPO, child_env, running_syncer
+
+from yeto_learn import Learner
+from yeto_learn.cli import main as yeto_main
+from yeto_learn.learner import LAYOUT_FILE, RUN_ID_FILE, STATE_FILE, SUMMARY_FILE, resolve_run_id
+from yeto_learn.model_layout import normalize_name
+from yeto_proto import Layout
+from yeto_proto.checkpoint import Checkpoint, is_marked_final, read_checkpoint
+
+TARGET = torch.randn(8, 1, generator=torch.Generator().manual_seed(42))
+EVAL_X = torch.randn(512, 8, generator=torch.Generator().manual_seed(7))
+
+
+def regression_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)  # every learner starts from the same initial model
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16), torch.nn.Tanh()
+    )
+    model.append(torch.nn.Linear(16, 1))
+    return model.to(dtype)
+
+
+def eval_loss(model: torch.nn.Module) -> float:
+    with torch.no_grad():
+        dtype = next(model.parameters()).dtype
+        prediction = model(EVAL_X.to(dtype)).float()
+        return float(((prediction - EVAL_X @ TARGET) ** 2).mean())
+
+
+@dataclass
+class Trained:
+    model: torch.nn.Module
+    learner: Learner
+    eval_start: float
+    eval_final: float
+    steps: int
+    step_seconds: list[float] = field(default_factory=list)
+
+
+def train(
+    address: str,
+    learner_id: int,
+    num_learners: int,
+    out_dir: Path,
+    *,
+    wire_dtype: str = "f32",
+    param_dtype: torch.dtype = torch.float32,
+    max_steps: int = 4000,
+    on_step: Callable[[Learner, int], None] | None = None,
+    fragments: int = 3,
+) -> Trained:
+    model = regression_model(param_dtype)
+    initial = eval_loss(model)
+    learner = Learner(
+        model,
+        syncer=address,
+        learner_id=learner_id,
+        num_learners=num_learners,
+        fragments=fragments,
+        wire_dtype=wire_dtype,
+        streams=2,
+        out_dir=out_dir,
+        run_id="test-run",
+        connect_timeout=30,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(100 + learner_id)
+    trained = Trained(model, learner, initial, float("nan"), 0)
+    while not learner.final_ready and trained.steps < max_steps:
+        x = torch.randn(32, 8, generator=generator)
+        loss = ((model(x.to(param_dtype)).float() - x @ TARGET) ** 2).mean()
+        optimizer.zero_grad()
+        torch.autograd.backward(loss)
+        optimizer.step()
+        began = time.perf_counter()
+        learner.step(tokens=32)
+        trained.step_seconds.append(time.perf_counter() - began)
+        trained.steps += 1
+        if on_step is not None:
+            on_step(learner, trained.steps)
+        time.sleep(0.001)  # a step of a real model takes a while; keeps the CPU for the syncer
+    learner.finish(timeout=60)
+    trained.eval_final = eval_loss(model)
+    return trained
+
+
+def train_together(address: str, out: Path, count: int, **options: object) -> list[Trained]:
+    results: dict[int, Trained] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = train(address, i, count, out / f"learner-{i}", **options)  # type: ignore[arg-type]
+        except BaseException as exc:  # re-raised in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    if errors:
+        raise errors[0]
+    return [results[i] for i in range(count)]
+
+
+def fragments_of(model: torch.nn.Module, layout: Layout) -> list[NDArray[np.float32]]:
+    """The model's parameters as flat f32 fragments in layout order (independent of Learner)."""
+    params = {normalize_name(n): p.detach().float() for n, p in model.named_parameters()}
+    return [
+        np.concatenate([params[t.name].reshape(-1).numpy() for t in fragment.tensors])
+        for fragment in layout.fragments
+    ]
+
+
+def assert_holds_checkpoint(model: torch.nn.Module, layout: Layout, checkpoint: Checkpoint) -> None:
+    ours = fragments_of(model, layout)
+    assert len(ours) == checkpoint.num_fragments
+    for p, (values, state) in enumerate(zip(ours, checkpoint.fragments, strict=True)):
+        assert values.tobytes() == state.params.tobytes(), f"fragment {p} differs"
+
+
+# -- the happy path in every wire dtype -------------------------------------------------------
+@pytest.mark.parametrize("wire_dtype", ["f32", "bf16", "q4"])
+def test_two_learners_train_and_hold_the_final_checkpoint_bit_for_bit(
+    tmp_path: Path, wire_dtype: str
+) -> None:
+    with running_syncer(
+        tmp_path / "syncer", learners=2, total_steps=12, extra=["--sync-interval-steps", "8"]
+    ) as syncer:
+        results = train_together(syncer.address, tmp_path, 2, wire_dtype=wire_dtype)
+        assert syncer.wait() == 0, syncer.log_tail()
+    checkpoint = read_checkpoint(syncer.checkpoint)
+    assert checkpoint.global_step == 12
+    assert is_marked_final(syncer.checkpoint, checkpoint.global_step)
+    for i, trained in enumerate(results):
+        learner = trained.learner
+        assert trained.eval_final < 0.5 * trained.eval_start, (
+            trained.eval_start,
+            trained.eval_final,
+        )
+        assert learner.stats.pushes >= 1 and learner.final_global_step == 12
+        assert learner.layout.fingerprint() == checkpoint.fingerprint
+        assert_holds_checkpoint(trained.model, learner.layout, checkpoint)
+        # The learner-owned artifact holds the same state and the layout export needs.
+        out = tmp_path / f"learner-{i}"
+        state = torch.load(out / STATE_FILE)
+        for name, param in trained.model.named_parameters():
+            assert torch.equal(state[normalize_name(name)], param.detach())
+        layout = Layout.from_json((out / LAYOUT_FILE).read_text())
+        assert layout.fingerprint() == checkpoint.fingerprint
+        summary = json.loads((out / SUMMARY_FILE).read_text())
+        assert summary["final_global_step"] == 12 and summary["run_id"] == "test-run"
+    # Every learner answered pulls: the tape names both as responders.
+    responders = {
+        r["id"]
+        for line in syncer.tape.read_text().splitlines()
+        for r in json.loads(line).get("responders", [])
+    }
+    assert responders == {0, 1}
+
+
+def test_checkpoint_export_reads_the_layout_the_learner_wrote(tmp_path: Path) -> None:
+    with running_syncer(
+        tmp_path / "syncer", learners=1, total_steps=6, extra=["--sync-interval-steps", "8"]
+    ) as syncer:
+        [trained] = train_together(syncer.address, tmp_path, 1)
+        assert syncer.wait() == 0
+    exported = tmp_path / "exported.pt"
+    layout_file = tmp_path / "learner-0" / LAYOUT_FILE
+    code = yeto_main(
+        ["checkpoint", "export", str(syncer.checkpoint), "--layout", str(layout_file),
+         "--out", str(exported)]
+    )  # fmt: skip
+    assert code == 0
+    tensors = torch.load(exported)
+    for name, param in trained.model.named_parameters():
+        assert torch.equal(tensors[normalize_name(name)], param.detach())
+
+
+def test_bf16_parameters_hold_the_final_state_cast_to_bf16(tmp_path: Path) -> None:
+    with running_syncer(
+        tmp_path / "syncer", learners=2, total_steps=9, extra=["--sync-interval-steps", "8"]
+    ) as syncer:
+        results = train_together(
+            syncer.address, tmp_path, 2, wire_dtype="bf16", param_dtype=torch.bfloat16
+        )
+        assert syncer.wait() == 0
+    checkpoint = read_checkpoint(syncer.checkpoint)
+    for trained in results:
+        assert trained.eval_final < 0.5 * trained.eval_start
+        params = {normalize_name(n): p for n, p in trained.model.named_parameters()}
+        for fragment, state in zip(
+            trained.learner.layout.fragments, checkpoint.fragments, strict=True
+        ):
+            at = 0
+            for tensor in fragment.tensors:
+                expected = torch.from_numpy(state.params[at : at + tensor.numel].copy())
+                param = params[tensor.name]
+                assert param.dtype == torch.bfloat16
+                assert torch.equal(param.detach().reshape(-1), expected.to(torch.bfloat16))
+                at += tensor.numel
+
+
+# -- never blocking, and reconnecting -------------------------------------------------------------
+def test_step_does_not_wait_for_a_frozen_syncer(tmp_path: Path) -> None:
+    with running_syncer(
+        tmp_path / "syncer", learners=1, total_steps=6, extra=["--sync-interval-steps", "64"]
+    ) as syncer:
+        model = regression_model()
+        learner = Learner(model, syncer=syncer.address, learner_id=0, num_learners=1,
+                          fragments=3, connect_timeout=30)  # fmt: skip
+        os.kill(syncer.process.pid, signal.SIGSTOP)  # the network goes nowhere now
+        try:
+            durations = []
+            for _ in range(200):
+                began = time.perf_counter()
+                learner.step(tokens=1)
+                durations.append(time.perf_counter() - began)
+        finally:
+            os.kill(syncer.process.pid, signal.SIGCONT)
+        assert max(durations) < 0.05, f"a step took {max(durations) * 1000:.1f} ms"
+        while not learner.final_ready:
+            learner.step(tokens=1)
+            time.sleep(0.001)
+        learner.finish(timeout=60)
+        assert syncer.wait() == 0
+    assert_holds_checkpoint(model, learner.layout, read_checkpoint(syncer.checkpoint))
+
+
+class SeverableProxy:
+    """A TCP relay to the syncer whose connections the test can cut at once."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.upstream)
+            except OSError:  # the syncer is gone: refuse this client too
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, server]
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._relay, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _relay(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def sever(self) -> int:
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+        return len(sockets)
+
+    def close(self) -> None:
+        self.listener.close()
+        self.sever()
+
+
+def test_a_severed_learner_redials_with_a_new_generation_and_the_session_finishes(
+    tmp_path: Path,
+) -> None:
+    # Quorum 2 with a short quorum timeout: the round that captured the severed generation is
+    # retried with the members connected then, so the redialed learner must take part.
+    extra = ["--sync-interval-steps", "8", "--quorum", "2", "--quorum-timeout-s", "3"]
+    with running_syncer(tmp_path / "syncer", learners=2, total_steps=18, extra=extra) as syncer:
+        host, port = syncer.address.rsplit(":", 1)
+        proxy = SeverableProxy((host, int(port)))
+        severed: list[float] = []
+
+        def sever_once(learner: Learner, step: int) -> None:
+            if not severed and learner.stats.pushes >= 3:
+                assert proxy.sever() > 0
+                severed.append(time.monotonic())
+
+        results: dict[int, Trained] = {}
+        errors: list[BaseException] = []
+
+        def run(i: int, address: str, hook: Callable[[Learner, int], None] | None) -> None:
+            try:
+                results[i] = train(address, i, 2, tmp_path / f"learner-{i}", on_step=hook)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=run, args=(0, syncer.address, None)),
+            threading.Thread(target=run, args=(1, proxy.address, sever_once)),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        proxy.close()
+        if errors:
+            raise errors[0]
+        assert syncer.wait() == 0, syncer.log_tail()
+    assert severed, "the learner never reached 3 rounds before the end"
+    generations = results[1].learner.generations
+    assert len(generations) >= 2 and len(set(generations)) == len(generations)
+    assert 0 not in generations
+    merges = [json.loads(line) for line in syncer.tape.read_text().splitlines()]
+    answered_by = {(r["id"], r["generation"]) for m in merges for r in m.get("responders", [])}
+    assert (1, generations[0]) in answered_by  # before the cut
+    assert (1, generations[-1]) in answered_by  # and again after redialing: it caught up
+    checkpoint = read_checkpoint(syncer.checkpoint)
+    for trained in results.values():
+        assert_holds_checkpoint(trained.model, trained.learner.layout, checkpoint)
+
+
+# -- identity -------------------------------------------------------------------------------------
+def test_run_id_is_shared_persisted_and_reused_only_on_purpose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("YETO_RUN_ID", raising=False)
+    with pytest.raises(ValueError, match="share one run id"):
+        resolve_run_id(None, out_dir=tmp_path, resume=False, num_learners=2)
+    solo = resolve_run_id(None, out_dir=None, resume=False, num_learners=1)
+    assert solo != resolve_run_id(None, out_dir=None, resume=False, num_learners=1)
+    monkeypatch.setenv("YETO_RUN_ID", "from-env")
+    assert resolve_run_id(None, out_dir=tmp_path, resume=False, num_learners=2) == "from-env"
+    with pytest.raises(ValueError, match="holds no run_id"):
+        resolve_run_id(None, out_dir=tmp_path, resume=True, num_learners=2)
+    (tmp_path / RUN_ID_FILE).write_text("earlier\n")
+    assert resolve_run_id(None, out_dir=tmp_path, resume=True, num_learners=2) == "earlier"
+    with pytest.raises(ValueError, match="resume=True to continue"):
+        resolve_run_id("earlier", out_dir=tmp_path, resume=False, num_learners=2)
+    with pytest.raises(ValueError, match="ran 'earlier'"):
+        resolve_run_id("other", out_dir=tmp_path, resume=True, num_learners=2)
+
+
+def test_importing_yeto_learn_does_not_import_torch() -> None:
+    probe = (
+        "import sys, yeto_learn\n"
+        "assert 'torch' not in sys.modules, 'torch imported eagerly'\n"
+        "assert yeto_learn.Learner.__name__ == 'Learner' and 'torch' in sys.modules\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, env=child_env(), capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,604 @@
+"""``yeto bench``: the benchmark closure on loopback, from training to an exported model.
+
+One command runs what spec/closure.md describes:
+
+1. a ``yeto-sync`` with ``--learner-budget-steps B`` (the *cutoff process*) on 127.0.0.1;
+2. M learners (threads of this process, each a :class:`~yeto_learn.Learner` around a tiny
+   byte-level model) train exactly B local steps, then report BUDGET_DONE and freeze;
+3. after one report from every learner the cutoff process writes an unmarked recovery checkpoint
+   at global step C and exits 0;
+4. the harness restarts the syncer on the same endpoint from that checkpoint with
+   ``--total-steps C+F`` and ``--quorum M``: the frozen learners reconnect and answer F ordinary
+   consolidation rounds, which end in the ordinary final cut and the marked final checkpoint;
+5. the harness checks the consolidation event tape — every configured learner in every one of
+   the F rounds — and only then exports the marked checkpoint to safetensors.
+
+It prints the budget, C, F, the tape check and the export path. Exit status: 0 when the closure
+completed and was exported, 1 when any step of it failed (nothing is exported), 2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from yeto_proto.checkpoint import (
+    Checkpoint,
+    MarkerStatus,
+    atomic_replace,
+    export_tensors,
+    marker_state,
+    read_checkpoint,
+)
+from yeto_proto.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from .cli import Commands
+    from .learner import Learner
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+HOST = "127.0.0.1"
+LISTENING = "yeto-sync listening on "
+#: The cutoff process must never run out of ordinary rounds before every budget is reached.
+CUTOFF_TOTAL_STEPS = 1 << 40
+SYNCER_START_TIMEOUT_S = 30.0
+STOP_GRACE_S = 5.0
+#: The tiny model: ByteModel(context, embed, hidden) of yeto_learn.demo_model.
+TINY_MODEL = (8, 8, 32)
+MODEL_SEED = 0
+
+CHECKPOINT_FILE = "checkpoint.yeto"
+CUTOFF_TAPE = "cutoff-tape.jsonl"
+CONSOLIDATION_TAPE = "consolidation-tape.jsonl"
+LAYOUT_FILE = "layout.json"
+EXPORT_FILE = "final.safetensors"
+
+
+class ClosureFailed(Exception):
+    """One step of the closure failed; the text says which and why. Nothing was exported."""
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    out: Path
+    learners: int = 2
+    fragments: int = 4
+    wire_dtype: str = "f32"
+    budget: int = 200
+    streams: int = 1
+    batch_size: int = 32
+    lr: float = 3e-3
+    merge_alpha: float = 0.5
+    quorum: int = 1
+    sync_interval: float = 8.0
+    #: Seconds for the training phase (start to the cutoff process's exit).
+    training_timeout: float = 300.0
+    #: Seconds for the consolidation phase (restart to the marked checkpoint).
+    consolidation_timeout: float = 120.0
+    #: Learners that report their budget and then leave instead of reconnecting (tests).
+    miss_restart: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.learners < 1:
+            raise ValueError(f"--learners must be >= 1, got {self.learners}")
+        if self.fragments < 1:
+            raise ValueError(f"--fragments must be >= 1, got {self.fragments}")
+        if not 1 <= self.budget < 1 << 32:
+            raise ValueError(
+                f"--budget must be in 1..2^32-1 (it travels as c_steps), got {self.budget}"
+            )
+        if self.wire_dtype not in ("f32", "bf16", "q4"):
+            raise ValueError(f"--wire-dtype must be f32, bf16 or q4, got {self.wire_dtype!r}")
+        if not 1 <= self.quorum <= self.learners:
+            raise ValueError(f"--quorum must be in 1..{self.learners}, got {self.quorum}")
+        if min(self.training_timeout, self.consolidation_timeout) <= 0:
+            raise ValueError("timeouts must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class TapeCheck:
+    """The consolidation tape's verdict: every configured learner in every one of F rounds."""
+
+    ok: bool
+    rounds: int
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClosureResult:
+    budget: int
+    cutoff_step: int
+    fragments: int
+    final_step: int
+    tape: TapeCheck
+    export_path: Path
+    eval_loss_initial: float
+    eval_loss_final: float
+    seconds: float
+
+
+# -- the tape check ------------------------------------------------------------------------------
+def check_consolidation_tape(
+    path: Path, *, cutoff_step: int, fragments: int, learners: int
+) -> TapeCheck:
+    """Rounds ``C+1 … C+F``: one merge line each, all F fragments, every learner responding."""
+    expected_steps = range(cutoff_step + 1, cutoff_step + fragments + 1)
+    everyone = set(range(learners))
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return TapeCheck(False, 0, f"cannot read the event tape {path}: {exc}")
+    merges: dict[int, list[dict[str, Any]]] = {}
+    for record in records:
+        if (
+            isinstance(record, dict)
+            and "event" not in record
+            and record.get("step") in expected_steps
+        ):
+            merges.setdefault(int(record["step"]), []).append(record)
+    problems = []
+    covered = set()
+    for step in expected_steps:
+        found = merges.get(step, [])
+        if len(found) != 1:
+            problems.append(f"round {step}: {len(found)} merge lines")
+            continue
+        record = found[0]
+        covered.add(record.get("fragment"))
+        responders = {r.get("id") for r in record.get("responders", []) if isinstance(r, dict)}
+        if not everyone <= responders:
+            problems.append(f"round {step}: learners {sorted(everyone - responders)} missing")
+    if not problems and covered != set(range(fragments)):
+        problems.append(f"fragments {sorted(set(range(fragments)) - covered)} not consolidated")
+    rounds = sum(1 for step in expected_steps if len(merges.get(step, [])) == 1)
+    if problems:
+        return TapeCheck(False, rounds, "; ".join(problems))
+    return TapeCheck(
+        True,
+        rounds,
+        f"every learner 0..{learners - 1} responded in each of the {fragments} rounds "
+        f"{expected_steps.start}..{expected_steps.stop - 1}",
+    )
+
+
+# -- syncer processes ----------------------------------------------------------------------------
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    checkout = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [checkout, env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@dataclass(eq=False)
+class SyncerProcess:
+    name: str
+    process: subprocess.Popen[str]
+    log_path: Path
+    port: int = 0
+
+    def last_line(self) -> str:
+        with contextlib.suppress(OSError):
+            lines = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+            return next((line for line in reversed(lines) if line.strip()), "")
+        return ""
+
+    def stop(self) -> None:
+        """SIGTERM, a grace period, then SIGKILL: the harness never leaves a syncer behind."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.terminate()
+            try:
+                self.process.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    self.process.kill()
+                self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+def start_syncer(name: str, flags: Sequence[str], log_path: Path) -> SyncerProcess:
+    """Start ``python -m yeto_sync`` and wait for its listening line."""
+    argv = [sys.executable, "-m", "yeto_sync", "--host", HOST, *flags]
+    with open(log_path, "a", encoding="utf-8") as log:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=_child_env(),
+        )
+    syncer = SyncerProcess(name, process, log_path)
+    assert process.stdout is not None
+    first: queue.SimpleQueue[str] = queue.SimpleQueue()
+    stdout: IO[str] = process.stdout
+    threading.Thread(target=lambda: first.put(stdout.readline()), daemon=True).start()
+    try:
+        line = first.get(timeout=SYNCER_START_TIMEOUT_S)
+    except queue.Empty:
+        line = ""
+    if not line.startswith(LISTENING):
+        syncer.stop()
+        raise ClosureFailed(f"the {name} syncer did not start: {syncer.last_line() or line!r}")
+    syncer.port = int(line.strip().rsplit(":", 1)[1])
+    return syncer
+
+
+# -- learners ------------------------------------------------------------------------------------
+@dataclass
+class Crew:
+    """The learner threads, what they built, and the first failure among them."""
+
+    learners: dict[int, Learner] = field(default_factory=dict)
+    threads: list[threading.Thread] = field(default_factory=list)
+    failures: list[tuple[int, BaseException]] = field(default_factory=list)
+    finished: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def failure(self) -> str | None:
+        with self.lock:
+            if not self.failures:
+                return None
+            learner_id, error = self.failures[0]
+            return f"learner {learner_id}: {error}"
+
+    def close_all(self) -> None:
+        with self.lock:
+            learners = list(self.learners.values())
+        for learner in learners:
+            with contextlib.suppress(Exception):
+                learner.close()
+
+
+def _train_learner(
+    config: BenchConfig, learner_id: int, address: str, run_id: str, crew: Crew
+) -> None:
+    """One learner: B local steps, BUDGET_DONE, then the frozen consolidation and the final cut."""
+    import torch
+    from torch import nn
+
+    from .demo_model import ByteModel, Corpus, sample_batch
+    from .learner import Learner
+
+    try:
+        torch.manual_seed(MODEL_SEED)
+        model = ByteModel(*TINY_MODEL)
+        corpus = Corpus.load()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+        generator = torch.Generator().manual_seed(1000 + learner_id)
+        learner = Learner(
+            model,
+            syncer=address,
+            learner_id=learner_id,
+            num_learners=config.learners,
+            fragments=config.fragments,
+            wire_dtype=config.wire_dtype,
+            merge_alpha=config.merge_alpha,
+            streams=config.streams,
+            out_dir=config.out / f"learner-{learner_id}",
+            run_id=run_id,
+            experiment={
+                "bench": "closure",
+                "model": f"ByteModel{TINY_MODEL}",
+                "corpus_sha256": corpus.digest,
+                "batch_size": config.batch_size,
+                "lr": config.lr,
+            },
+            budget_steps=config.budget,
+            connect_timeout=config.training_timeout,
+            reconnect_timeout=config.consolidation_timeout,
+            finish_timeout=config.training_timeout + config.consolidation_timeout,
+        )
+        with crew.lock:
+            crew.learners[learner_id] = learner
+        while not learner.budget_reached:
+            if learner.final_ready:
+                raise ClosureFailed("the cutoff syncer finished its rounds before the budget")
+            x, y = sample_batch(corpus.train, config.batch_size, model.context, generator)
+            loss = nn.functional.cross_entropy(model(x), y)
+            torch.autograd.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            learner.step(tokens=config.batch_size)
+        if learner_id in config.miss_restart:
+            learner.report_budget()
+            learner.close()  # queued frames (the report) drain before the sockets close
+            return
+        learner.finish()  # BUDGET_DONE, frozen reconnect, consolidation, final cut, ACK
+        with crew.lock:
+            crew.finished.add(learner_id)
+    except BaseException as exc:  # the harness reports it and stops the closure
+        with crew.lock:
+            crew.failures.append((learner_id, exc))
+
+
+# -- the closure ---------------------------------------------------------------------------------
+def _wait_for_exit(syncer: SyncerProcess, crew: Crew, deadline: float, what: str) -> int:
+    while True:
+        code = syncer.process.poll()
+        if code is not None:
+            return code
+        failure = crew.failure()
+        if failure is not None:
+            raise ClosureFailed(f"{what}: {failure}")
+        if time.monotonic() >= deadline:
+            raise ClosureFailed(
+                f"{what}: the {syncer.name} syncer did not finish in time (its last log line: "
+                f"{syncer.last_line()})"
+            )
+        time.sleep(0.05)
+
+
+def run_closure(config: BenchConfig, say: Callable[[str], None] = print) -> ClosureResult:
+    """Run the whole closure; raise :class:`ClosureFailed` (nothing exported) on any failure."""
+    started = time.monotonic()
+    out = config.out
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint = out / CHECKPOINT_FILE
+    if checkpoint.exists():
+        raise ClosureFailed(f"{checkpoint} exists: use a fresh --out directory")
+    log_path = out / "syncer.log"
+    common = [
+        f"--learners={config.learners}",
+        f"--sync-interval-steps={config.sync_interval}",
+        f"--checkpoint-path={checkpoint}",
+        "--mark-final-checkpoint",
+        f"--quorum-timeout-s={int(config.consolidation_timeout)}",
+        f"--final-ack-timeout-s={int(config.consolidation_timeout)}",
+    ]
+    say(
+        f"yeto bench: {config.learners} learners, {config.fragments} fragments, "
+        f"{config.wire_dtype}, budget {config.budget} local steps per learner"
+    )
+    crew = Crew()
+    syncers: list[SyncerProcess] = []
+    try:
+        cutoff = start_syncer(
+            "cutoff",
+            [
+                *common,
+                "--port=0",
+                f"--quorum={config.quorum}",
+                f"--total-steps={CUTOFF_TOTAL_STEPS}",
+                f"--learner-budget-steps={config.budget}",
+                f"--event-tape={out / CUTOFF_TAPE}",
+            ],
+            log_path,
+        )
+        syncers.append(cutoff)
+        address = f"{HOST}:{cutoff.port}"
+        run_id = f"bench-{uuid.uuid4().hex}"
+        for learner_id in range(config.learners):
+            thread = threading.Thread(
+                target=_train_learner,
+                args=(config, learner_id, address, run_id, crew),
+                name=f"learner-{learner_id}",
+                daemon=True,
+            )
+            crew.threads.append(thread)
+            thread.start()
+
+        # -- the cutoff process ----------------------------------------------------------------
+        code = _wait_for_exit(
+            cutoff, crew, started + config.training_timeout, "training to the budget"
+        )
+        if code != 0:
+            raise ClosureFailed(f"the cutoff syncer exited {code}: {cutoff.last_line()}")
+        saved = _read(checkpoint, "cutoff")
+        cutoff_step, fragments = saved.global_step, saved.num_fragments
+        del saved
+        if marker_state(checkpoint, cutoff_step).status is not MarkerStatus.ABSENT:
+            raise ClosureFailed("the cutoff checkpoint carries a final marker")
+        say(
+            f"cutoff     : every learner reported B={config.budget}; unmarked recovery "
+            f"checkpoint at global step C={cutoff_step}"
+        )
+
+        # -- the consolidation process ---------------------------------------------------------
+        restart = start_syncer(
+            "consolidation",
+            [
+                *common,
+                f"--port={cutoff.port}",
+                "--resume",
+                f"--quorum={config.learners}",
+                f"--total-steps={cutoff_step + fragments}",
+                f"--event-tape={out / CONSOLIDATION_TAPE}",
+            ],
+            log_path,
+        )
+        syncers.append(restart)
+        code = _wait_for_exit(
+            restart,
+            crew,
+            time.monotonic() + config.consolidation_timeout,
+            "consolidation",
+        )
+        if code != 0:
+            raise ClosureFailed(f"the consolidation syncer exited {code}: {restart.last_line()}")
+        final_step = cutoff_step + fragments
+        for thread in crew.threads:
+            thread.join(config.consolidation_timeout)
+        failure = crew.failure()
+        if failure is not None:
+            raise ClosureFailed(f"consolidation: {failure}")
+        missing = sorted(set(range(config.learners)) - crew.finished)
+        if missing:
+            raise ClosureFailed(f"learners {missing} did not finish the consolidation")
+        say(
+            f"consolidate: F={fragments} ordinary rounds {cutoff_step + 1}..{final_step} "
+            f"with quorum {config.learners}"
+        )
+
+        # -- checks, then export ---------------------------------------------------------------
+        state = marker_state(checkpoint, final_step)
+        if state.status is not MarkerStatus.FINAL:
+            raise ClosureFailed(f"no marked final checkpoint at step {final_step}: {state.detail}")
+        final = _read(checkpoint, "final")
+        if final.global_step != final_step:
+            raise ClosureFailed(
+                f"the final checkpoint is at global step {final.global_step}, not {final_step}"
+            )
+        tape = check_consolidation_tape(
+            out / CONSOLIDATION_TAPE,
+            cutoff_step=cutoff_step,
+            fragments=fragments,
+            learners=config.learners,
+        )
+        say(f"tape check : {'ok' if tape.ok else 'FAILED'} — {tape.detail}")
+        if not tape.ok:
+            raise ClosureFailed(
+                f"the event tape does not show the full consolidation: {tape.detail}"
+            )
+        learner = crew.learners[0]
+        export_path = out / EXPORT_FILE
+        initial_loss, final_loss = _export(final, learner, out, export_path)
+        del final
+        say(f"export     : {export_path} (global step {final_step})")
+        say(f"eval loss  : {initial_loss:.4f} at the start → {final_loss:.4f} consolidated")
+    except BaseException:
+        crew.close_all()
+        raise
+    finally:
+        for syncer in syncers:
+            syncer.stop()
+    return ClosureResult(
+        budget=config.budget,
+        cutoff_step=cutoff_step,
+        fragments=fragments,
+        final_step=final_step,
+        tape=tape,
+        export_path=export_path,
+        eval_loss_initial=initial_loss,
+        eval_loss_final=final_loss,
+        seconds=time.monotonic() - started,
+    )
+
+
+def _read(path: Path, what: str) -> Checkpoint:
+    try:
+        return read_checkpoint(path, mapped=True)
+    except ProtocolError as exc:
+        raise ClosureFailed(f"the {what} checkpoint is unreadable: {exc}") from None
+
+
+def _export(
+    checkpoint: Checkpoint, learner: Learner, out: Path, target: Path
+) -> tuple[float, float]:
+    """Marked checkpoint → safetensors through the learners' layout; eval loss before/after."""
+    import numpy as np
+    import torch
+    from safetensors.numpy import load_file, save_file
+
+    from .demo_model import ByteModel, Corpus, eval_loss
+
+    layout = learner.layout
+    with atomic_replace(out / LAYOUT_FILE) as staging:
+        staging.write_text(layout.to_json(), encoding="utf-8")
+    try:
+        exported = export_tensors(checkpoint, layout)
+    except ProtocolError as exc:
+        raise ClosureFailed(f"export refused: {exc}") from None
+    with atomic_replace(target) as staging:
+        save_file(
+            {name: np.ascontiguousarray(values) for name, values in exported.tensors.items()},
+            os.fspath(staging),
+            metadata=exported.metadata,
+        )
+    corpus = Corpus.load()
+    torch.manual_seed(MODEL_SEED)
+    model = ByteModel(*TINY_MODEL)
+    initial = eval_loss(model, corpus.eval, model.context)
+    state = {
+        name: torch.from_numpy(values) for name, values in load_file(os.fspath(target)).items()
+    }
+    model.load_state_dict(state)
+    return initial, eval_loss(model, corpus.eval, model.context)
+
+
+# -- the command ---------------------------------------------------------------------------------
+def register(commands: Commands) -> None:
+    parser = commands.add_parser(
+        "bench",
+        help="run the benchmark closure (budget, cutoff, consolidation, export) on loopback",
+        description=(
+            "Train a tiny byte-level model with M learners for exactly --budget local steps "
+            "each, cut the syncer off on their BUDGET_DONE reports, restart it from the "
+            "cutoff checkpoint for F consolidation rounds, check the event tape, and export "
+            "the marked final checkpoint to safetensors (spec/closure.md)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--learners", type=int, default=2, help="M, learners")
+    parser.add_argument("--fragments", type=int, default=4, help="F, fragments of the model")
+    parser.add_argument("--wire-dtype", choices=("f32", "bf16", "q4"), default="f32")
+    parser.add_argument("--budget", type=int, default=200, help="B, local steps per learner")
+    parser.add_argument("--streams", type=int, default=1, help="data sockets per learner")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--quorum", type=int, default=1, help="quorum while training")
+    parser.add_argument(
+        "--sync-interval", type=float, default=8.0, help="local steps between syncs of a fragment"
+    )
+    parser.add_argument(
+        "--training-timeout", type=float, default=300.0, help="seconds to reach the cutoff"
+    )
+    parser.add_argument(
+        "--consolidation-timeout",
+        type=float,
+        default=120.0,
+        help="seconds from the restart to the marked final checkpoint",
+    )
+    parser.add_argument("--out", type=Path, help="output directory (default: ./yeto-bench-TIME)")
+    parser.set_defaults(handler=run, command_prog=parser.prog)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = args.out or Path(f"yeto-bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        config = BenchConfig(
+            out=out,
+            learners=args.learners,
+            fragments=args.fragments,
+            wire_dtype=args.wire_dtype,
+            budget=args.budget,
+            streams=args.streams,
+            batch_size=args.batch_size,
+            quorum=args.quorum,
+            sync_interval=args.sync_interval,
+            training_timeout=args.training_timeout,
+            consolidation_timeout=args.consolidation_timeout,
+        )
+    except ValueError as exc:
+        print(f"{args.command_prog}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        result = run_closure(config)
+    except ClosureFailed as exc:
+        print(f"{args.command_prog}: closure failed, nothing exported: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"{args.command_prog}: interrupted, nothing exported", file=sys.stderr)
+        return 130
+    print(
+        f"budget B={result.budget}  C={result.cutoff_step}  F={result.fragments}  "
+        f"final step {result.final_step}  tape check ok  export {result.export_path}  "
+        f"({result.seconds:.1f} s)"
+    )
+    return EXIT_OK

@@ -1,0 +1,202 @@
+"""A learner spread over torchrun ranks: rank 0 talks to the syncer, every rank applies.
+
+Under ``torchrun`` the ranks of one logical learner hold identical replicas (data parallel
+inside the learner). Only global rank 0 runs the syncer client and the protocol session. At
+every :meth:`Learner.step` the ranks meet twice:
+
+1. ``sum_tokens``: an all-reduce (SUM) of the tokens each rank consumed in the step. The ranks
+   take the optimizer step together, so the step counts once with the summed tokens.
+2. ``run_plan``: rank 0 broadcasts a small header (status, what to apply, an error text) and
+   then, fragment by fragment, the f32 values to apply; every rank applies them in the same
+   order with the same torch ops, so the replicas stay bit-identical.
+
+``SoloLink`` is the same contract for a single process (no collectives).
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+
+class ApplyKind(enum.IntEnum):
+    #: θ ← α·θ + (1−α)·Θ
+    BLEND = 0
+    #: θ ← Θ: the first global state a learner receives (it never held one before)
+    ADOPT = 1
+    #: θ ← the authoritative final state (no blending; cast to the parameter dtype)
+    FINAL = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Apply:
+    kind: ApplyKind
+    fragment_id: int
+    #: The flat f32 values; set on the leader only (other ranks receive them).
+    values: NDArray[np.float32] | None = field(default=None, repr=False)
+
+
+class PlanStatus(enum.IntEnum):
+    RUNNING = 0
+    #: The syncer's final cut is complete: training further is wasted work.
+    FINAL_READY = 1
+    #: The loop that is waiting (start, finish) is over.
+    DONE = 2
+    #: Rank 0 failed; every rank raises with the plan's error text.
+    FAILED = 3
+
+
+@dataclass(slots=True)
+class Plan:
+    status: PlanStatus
+    applies: list[Apply] = field(default_factory=list)
+    error: str = ""
+    #: The newest global step rank 0 has seen (so every rank reports the same).
+    global_step: int = 0
+
+
+ApplyFn = Callable[[Apply, torch.Tensor], None]
+
+
+class RankLink(Protocol):
+    rank: int
+    world_size: int
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    def sum_tokens(self, tokens: int) -> int: ...
+
+    def run_plan(self, plan: Plan | None, apply: ApplyFn) -> Plan: ...
+
+
+def readonly_tensor(values: NDArray[np.float32]) -> torch.Tensor:
+    """A torch view of a read-only f32 array, used only as a source of copies."""
+    with warnings.catch_warnings():
+        # torch warns that writes through the view would be undefined; we never write.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(values)
+
+
+class SoloLink:
+    """One process is the whole learner."""
+
+    rank = 0
+    world_size = 1
+
+    @property
+    def is_leader(self) -> bool:
+        return True
+
+    def sum_tokens(self, tokens: int) -> int:
+        return tokens
+
+    def run_plan(self, plan: Plan | None, apply: ApplyFn) -> Plan:
+        assert plan is not None, "the leader always has a plan"
+        for item in plan.applies:
+            assert item.values is not None
+            apply(item, readonly_tensor(item.values))
+        return plan
+
+
+_HEADER = 4  # status, number of applies, error text length in bytes, global step
+_MAX_ERROR_BYTES = 4096
+
+
+class TorchDistributedLink:
+    """The ranks of a ``torch.distributed`` process group; global rank 0 leads."""
+
+    def __init__(self, numels: tuple[int, ...], group: Any = None) -> None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("torch.distributed is not initialized")
+        self._dist = dist
+        self._group = group
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size(group)
+        backend = str(dist.get_backend(group))
+        # NCCL moves device tensors only; gloo (and the rest) CPU tensors.
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
+        self._numels = numels
+        self._staging: dict[int, torch.Tensor] = {}
+        self._leader_rank = dist.get_global_rank(group, 0) if group is not None else 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self._leader_rank
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        self._dist.broadcast(tensor, src=self._leader_rank, group=self._group)
+
+    def _buffer(self, fragment_id: int) -> torch.Tensor:
+        buffer = self._staging.get(fragment_id)
+        if buffer is None:
+            numel = self._numels[fragment_id]
+            buffer = torch.empty(numel, dtype=torch.float32, device=self.device)
+            self._staging[fragment_id] = buffer
+        return buffer
+
+    def sum_tokens(self, tokens: int) -> int:
+        total = torch.tensor([tokens], dtype=torch.int64, device=self.device)
+        self._dist.all_reduce(total, op=self._dist.ReduceOp.SUM, group=self._group)
+        return int(total.item())
+
+    def run_plan(self, plan: Plan | None, apply: ApplyFn) -> Plan:
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        error = b""
+        if self.is_leader:
+            assert plan is not None, "the leader always has a plan"
+            error = plan.error.encode("utf-8")[:_MAX_ERROR_BYTES]
+            header[0], header[1], header[2] = int(plan.status), len(plan.applies), len(error)
+            header[3] = plan.global_step
+        self._broadcast(header)
+        status, count, error_len, global_step = (int(v) for v in header.tolist())
+        items = torch.zeros((count, 2), dtype=torch.int64, device=self.device)
+        if self.is_leader and plan is not None and count:
+            items[:] = torch.tensor(
+                [[int(a.kind), a.fragment_id] for a in plan.applies], dtype=torch.int64
+            )
+        if count:
+            self._broadcast(items)
+        if error_len:
+            text = torch.zeros(error_len, dtype=torch.uint8, device=self.device)
+            if self.is_leader:
+                text[:] = torch.frombuffer(bytearray(error), dtype=torch.uint8)
+            self._broadcast(text)
+            error = bytes(text.cpu().numpy().tobytes())
+        received = Plan(
+            PlanStatus(status), error=error.decode("utf-8", "replace"), global_step=global_step
+        )
+        for kind, fragment_id in items.tolist():
+            buffer = self._buffer(fragment_id)
+            item = Apply(ApplyKind(kind), fragment_id)
+            if self.is_leader and plan is not None:
+                source = plan.applies[len(received.applies)]
+                assert source.values is not None
+                buffer.copy_(readonly_tensor(source.values))
+                item = source
+            self._broadcast(buffer)
+            apply(item, buffer)
+            received.applies.append(item)
+        return plan if self.is_leader and plan is not None else received
+
+
+def rank_link(numels: tuple[int, ...], group: Any = None) -> RankLink:
+    """``TorchDistributedLink`` under an initialized process group of 2+ ranks, else solo."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        return TorchDistributedLink(numels, group)
+    return SoloLink()

@@ -1,0 +1,613 @@
+"""``yeto launch``: a syncer and M learners on loopback, training the demo model, in one command.
+
+The syncer runs with ``--mark-final-checkpoint`` and writes its checkpoint, event tape and final
+state under ``--out``; each learner (``python -m yeto_learn.demo_model``) writes its artifact
+there too. While they train, a live table shows every learner's step, loss, rounds and bytes
+(plain periodic lines when stdout is not a terminal); at the end a summary compares the loss
+before and after and the bytes moved with what all-reduce data parallelism would have moved.
+
+Ctrl+C or SIGTERM stops every child within seconds (children also get SIGTERM if the launcher
+dies) and the last line says which state was kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .cli import Commands
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+#: Seconds a child gets to exit after SIGTERM before it is killed.
+STOP_GRACE_S = 5.0
+SYNCER_START_TIMEOUT_S = 30.0
+#: Seconds between status lines when stdout is not a terminal.
+PLAIN_REPORT_EVERY_S = 5.0
+
+
+def register(commands: Commands) -> None:
+    parser = commands.add_parser(
+        "launch",
+        help="train the demo model with a syncer and M learners on this machine",
+        description=(
+            "Start a yeto-sync and M learner processes on 127.0.0.1 and train a small "
+            "byte-level language model on Python's own standard library sources (no "
+            "downloads). The syncer runs --total-steps = steps x fragments / sync-interval "
+            "rounds; learners train until its final cut (at most 4 x --steps)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--learners", type=int, default=2, help="M, learner processes")
+    parser.add_argument("--fragments", type=int, default=4, help="fragments of the model")
+    parser.add_argument("--wire-dtype", choices=("f32", "bf16", "q4"), default="q4")
+    parser.add_argument(
+        "--steps", type=int, default=3000, help="local steps per learner (approximately)"
+    )
+    parser.add_argument(
+        "--merge", choices=("avg", "rda", "iso"), default="avg", help="merge mode of matrices"
+    )
+    parser.add_argument("--merge-alpha", type=float, default=0.5, help="learner blend α")
+    parser.add_argument("--streams", type=int, default=4, help="data sockets per learner")
+    parser.add_argument(
+        "--sync-interval", type=int, default=16, help="local steps between syncs of a fragment"
+    )
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--out", type=Path, help="output directory (default: ./yeto-launch-TIME)")
+    parser.add_argument("--port", type=int, default=0, help="syncer port (0: any free port)")
+    parser.set_defaults(handler=run, command_prog=parser.prog)
+
+
+# -- processes -----------------------------------------------------------------------------------
+@functools.cache
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A pre-exec hook that makes a child get SIGTERM when the launcher dies (Linux only).
+
+    Everything is looked up here, in the parent: the hook runs between fork and exec, where a
+    multi-threaded parent must not import or allocate.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def hook() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+
+    return hook
+
+
+@dataclass(eq=False)
+class Child:
+    name: str
+    process: subprocess.Popen[str]
+    stderr_path: Path
+
+    def stderr_tail(self, lines: int = 5) -> list[str]:
+        with contextlib.suppress(OSError):
+            text = self.stderr_path.read_text(encoding="utf-8", errors="replace")
+            return [line for line in text.splitlines() if line.strip()][-lines:]
+        return []
+
+
+def _spawn(name: str, argv: list[str], stderr_path: Path, env: dict[str, str]) -> Child:
+    stderr_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(stderr_path, "w", encoding="utf-8") as stderr:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+            start_new_session=True,  # the launcher alone gets the terminal's Ctrl+C
+            preexec_fn=_parent_death_signal(),
+        )
+    return Child(name, process, stderr_path)
+
+
+def _pump_lines(child: Child, sink: queue.SimpleQueue[tuple[str, str]]) -> None:
+    assert child.process.stdout is not None
+    for line in child.process.stdout:
+        sink.put((child.name, line.rstrip("\n")))
+    sink.put((child.name, ""))
+
+
+def stop_children(children: list[Child], grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM every live child (learners first), wait up to ``grace`` s, then SIGKILL."""
+    for child in children:
+        if child.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.process.terminate()
+    deadline = time.monotonic() + grace
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.process.wait(max(deadline - time.monotonic(), 0.0))
+    for child in children:
+        if child.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.process.kill()
+            child.process.wait()
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM reached the launcher."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+# -- progress ------------------------------------------------------------------------------------
+@dataclass
+class LearnerView:
+    learner_id: int
+    state: str = "starting"
+    step: int = 0
+    loss: float | None = None
+    rounds: int = 0
+    global_step: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    generations: int = 0
+    done: dict[str, Any] = field(default_factory=dict)
+
+    def update(self, record: dict[str, Any]) -> None:
+        event = record.get("event")
+        if event == "started":
+            self.state = "training"
+        elif event == "progress":
+            self.state = str(record.get("state", self.state))
+            self.step = int(record.get("step", self.step))
+            loss = record.get("loss")
+            self.loss = float(loss) if isinstance(loss, int | float) else self.loss
+            self.rounds = int(record.get("rounds", self.rounds))
+            self.global_step = int(record.get("global_step", self.global_step))
+            self.bytes_sent = int(record.get("bytes_sent", self.bytes_sent))
+            self.bytes_received = int(record.get("bytes_received", self.bytes_received))
+            self.generations = int(record.get("generations", self.generations))
+        elif event == "done":
+            self.done = record
+            self.state = "done"
+            self.step = int(record["steps"])
+            self.rounds = int(record["rounds"])
+            self.bytes_sent = int(record["bytes_sent"])
+            self.bytes_received = int(record["bytes_received"])
+            self.global_step = int(record.get("final_global_step") or self.global_step)
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(count) < 1000 or unit == "GB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    raise AssertionError("unreachable")
+
+
+def _loss_text(loss: float | None) -> str:
+    return "-" if loss is None or loss != loss else f"{loss:.3f}"
+
+
+class Display:
+    """A rich live table on a terminal; plain status lines every few seconds otherwise."""
+
+    def __init__(self, views: list[LearnerView], total_rounds: int, out: IO[str]) -> None:
+        from rich.console import Console
+
+        self.views = views
+        self.total_rounds = total_rounds
+        self.console = Console(file=out, highlight=False)
+        self.live: Any = None
+        self._last_plain = 0.0
+        self._started = time.monotonic()
+
+    def __enter__(self) -> Display:
+        if self.console.is_terminal:
+            from rich.live import Live
+
+            self.live = Live(self._table(), console=self.console, refresh_per_second=4)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live is not None:
+            self.live.update(self._table())
+            self.live.__exit__(None, None, None)
+            self.live = None
+
+    def refresh(self) -> None:
+        if self.live is not None:
+            self.live.update(self._table())
+            return
+        now = time.monotonic()
+        if now - self._last_plain >= PLAIN_REPORT_EVERY_S:
+            self._last_plain = now
+            self.line(self._plain_status())
+
+    def line(self, text: str) -> None:
+        if self.live is not None:
+            self.live.console.print(text, markup=False)
+        else:
+            print(text, file=self.console.file, flush=True)
+
+    def _global_step(self) -> int:
+        return max((v.global_step for v in self.views), default=0)
+
+    def _plain_status(self) -> str:
+        elapsed = time.monotonic() - self._started
+        parts = [
+            f"L{v.learner_id} {v.state} step {v.step} loss {_loss_text(v.loss)} "
+            f"rounds {v.rounds} sent {human_bytes(v.bytes_sent)}"
+            for v in self.views
+        ]
+        head = f"[{elapsed:6.1f}s] round {self._global_step()}/{self.total_rounds}"
+        return head + " | " + " | ".join(parts)
+
+    def _table(self) -> Any:
+        from rich.table import Table
+
+        elapsed = time.monotonic() - self._started
+        table = Table(
+            title=f"yeto launch — round {self._global_step()}/{self.total_rounds}, {elapsed:.0f} s",
+            title_justify="left",
+        )
+        for column in ("learner", "state", "step", "loss", "rounds", "sent", "received"):
+            table.add_column(column, justify="left" if column in ("learner", "state") else "right")
+        for v in self.views:
+            table.add_row(
+                str(v.learner_id),
+                v.state,
+                str(v.step),
+                _loss_text(v.loss),
+                str(v.rounds),
+                human_bytes(v.bytes_sent),
+                human_bytes(v.bytes_received),
+            )
+        return table
+
+
+# -- the command -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Paths:
+    out: Path
+
+    @property
+    def syncer_dir(self) -> Path:
+        return self.out / "syncer"
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.syncer_dir / "checkpoint.yeto"
+
+    @property
+    def final_state(self) -> Path:
+        return self.syncer_dir / "final-state.yeto"
+
+    @property
+    def tape(self) -> Path:
+        return self.syncer_dir / "events.jsonl"
+
+    @property
+    def syncer_log(self) -> Path:
+        return self.syncer_dir / "syncer.log"
+
+    @property
+    def summary(self) -> Path:
+        return self.out / "summary.json"
+
+    def learner_dir(self, learner_id: int) -> Path:
+        return self.out / f"learner-{learner_id}"
+
+
+def total_rounds(steps: int, fragments: int, sync_interval: int) -> int:
+    """Rounds that sync every fragment about once per ``sync_interval`` local steps."""
+    return max(fragments, steps * fragments // max(sync_interval, 1))
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    if args.learners < 1:
+        return "--learners must be at least 1"
+    if args.fragments < 1:
+        return "--fragments must be at least 1"
+    if args.steps < 1:
+        return "--steps must be at least 1"
+    if not 0 <= args.streams <= 256:
+        return "--streams must be in 0..256"
+    if not 0.0 <= args.merge_alpha <= 1.0:
+        return "--merge-alpha must be in [0, 1]"
+    if args.sync_interval < 1:
+        return "--sync-interval must be at least 1"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _check_args(args)
+    if problem is not None:
+        print(f"yeto launch: error: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    out = args.out or Path.cwd() / time.strftime("yeto-launch-%Y%m%d-%H%M%S")
+    paths = Paths(out.resolve())
+    if paths.checkpoint.exists():
+        print(
+            f"yeto launch: error: {paths.checkpoint} exists; choose a fresh --out",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    paths.syncer_dir.mkdir(parents=True, exist_ok=True)
+    children: list[Child] = []
+    started = time.monotonic()
+    try:
+        with _signals_raise():
+            return _launch(args, paths, children, started)
+    except Stopped as stop:
+        stop_children(children)
+        elapsed = time.monotonic() - started
+        kept = _syncer_kept(paths)
+        print(
+            f"yeto launch: stopped by {stop} after {elapsed:.1f} s; every process ended; "
+            f"kept: {kept}; no learner artifact was written (the run did not finalize); "
+            f"logs in {paths.out}",
+            flush=True,
+        )
+        return 128 + stop.signum
+    finally:
+        stop_children(children)
+
+
+def _syncer_kept(paths: Paths) -> str:
+    """What the syncer said it kept (its last stderr line), or what is on disk."""
+    with contextlib.suppress(OSError):
+        lines = [ln for ln in paths.syncer_log.read_text(encoding="utf-8").splitlines() if ln]
+        if lines and lines[-1].startswith("yeto-sync: "):
+            return lines[-1].split("; ", 1)[-1]
+    if paths.checkpoint.exists():
+        return f"recovery checkpoint {paths.checkpoint}"
+    return "no checkpoint (none was written yet)"
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # The children import this very package, wherever it lives (installed or a checkout).
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _launch(args: argparse.Namespace, paths: Paths, children: list[Child], started: float) -> int:
+    env = _child_env()
+    rounds = total_rounds(args.steps, args.fragments, args.sync_interval)
+    syncer_argv = [
+        sys.executable, "-m", "yeto_sync",
+        "--host", "127.0.0.1",
+        "--port", str(args.port),
+        "--learners", str(args.learners),
+        "--quorum", str(args.learners),
+        "--total-steps", str(rounds),
+        "--sync-interval-steps", str(args.sync_interval),
+        "--checkpoint-path", str(paths.checkpoint),
+        "--checkpoint-every", "8",
+        "--mark-final-checkpoint",
+        "--final-state", str(paths.final_state),
+        "--event-tape", str(paths.tape),
+        "--quorum-timeout-s", "120",
+        "--final-ack-timeout-s", "120",
+    ]  # fmt: skip
+    syncer = _spawn("syncer", syncer_argv, paths.syncer_log, env)
+    children.append(syncer)
+    address = _await_listening(syncer)
+    if address is None:
+        tail = "; ".join(syncer.stderr_tail(3)) or "no output"
+        print(f"yeto launch: error: the syncer did not start: {tail}", file=sys.stderr)
+        return EXIT_FAILED
+
+    run_id = uuid.uuid4().hex
+    lines: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+    learners: dict[str, Child] = {}
+    views = [LearnerView(i) for i in range(args.learners)]
+    print(
+        f"yeto launch: syncer on {address} ({rounds} rounds), {args.learners} learners, "
+        f"{args.fragments} fragments, wire {args.wire_dtype}, merge {args.merge}; "
+        f"output in {paths.out}",
+        flush=True,
+    )
+    for i in range(args.learners):
+        argv = [
+            sys.executable, "-m", "yeto_learn.demo_model",
+            "--syncer", address,
+            "--learner-id", str(i),
+            "--num-learners", str(args.learners),
+            "--fragments", str(args.fragments),
+            "--wire-dtype", args.wire_dtype,
+            "--merge", args.merge,
+            "--merge-alpha", str(args.merge_alpha),
+            "--streams", str(args.streams),
+            "--max-steps", str(4 * args.steps),
+            "--batch-size", str(args.batch_size),
+            "--out", str(paths.learner_dir(i)),
+            "--run-id", run_id,
+        ]  # fmt: skip
+        child = _spawn(f"learner-{i}", argv, paths.learner_dir(i) / "stderr.log", env)
+        children.insert(0, child)  # stopped before the syncer
+        learners[child.name] = child
+        threading.Thread(target=_pump_lines, args=(child, lines), daemon=True).start()
+
+    with Display(views, rounds, sys.stdout) as display:
+        failure = _follow(learners, syncer, views, lines, display)
+    if failure is not None:
+        stop_children(children)
+        print(f"yeto launch: failed: {failure}; kept: {_syncer_kept(paths)}", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        code = syncer.process.wait(30)
+    except subprocess.TimeoutExpired:
+        stop_children(children)
+        print(
+            "yeto launch: failed: every learner finished but the syncer did not exit; "
+            f"kept: {_syncer_kept(paths)}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    if code != 0:
+        tail = "; ".join(syncer.stderr_tail(2))
+        print(f"yeto launch: the syncer exited with {code}: {tail}", file=sys.stderr)
+        return EXIT_FAILED
+    _summary(views, paths, args, rounds, time.monotonic() - started)
+    return EXIT_OK
+
+
+def _await_listening(syncer: Child) -> str | None:
+    """The syncer's ``HOST:PORT`` from its one stdout line, or None if it did not start."""
+    found: queue.SimpleQueue[str] = queue.SimpleQueue()
+    assert syncer.process.stdout is not None
+    stdout = syncer.process.stdout
+
+    def read() -> None:
+        found.put(stdout.readline())
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        line = found.get(timeout=SYNCER_START_TIMEOUT_S)
+    except queue.Empty:
+        return None
+    prefix = "yeto-sync listening on "
+    return line.strip().removeprefix(prefix) if line.startswith(prefix) else None
+
+
+def _follow(
+    learners: dict[str, Child],
+    syncer: Child,
+    views: list[LearnerView],
+    lines: queue.SimpleQueue[tuple[str, str]],
+    display: Display,
+) -> str | None:
+    """Show progress until every learner exited; return a failure description, if any."""
+    open_streams = set(learners)
+    while open_streams:
+        with contextlib.suppress(queue.Empty):
+            name, line = lines.get(timeout=0.25)
+            if not line:
+                open_streams.discard(name)
+            else:
+                _record(views, line)
+        display.refresh()
+        for name, child in learners.items():
+            code = child.process.poll()
+            if code not in (None, 0):
+                tail = "; ".join(child.stderr_tail(3)) or "no output"
+                return f"{name} exited with {code}: {tail}"
+        code = syncer.process.poll()
+        if code not in (None, 0):
+            return f"the syncer exited with {code}: {'; '.join(syncer.stderr_tail(2))}"
+    for name, child in learners.items():
+        code = child.process.wait()
+        if code != 0:
+            return f"{name} exited with {code}: {'; '.join(child.stderr_tail(3))}"
+    return None
+
+
+def _record(views: list[LearnerView], line: str) -> None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return
+    if isinstance(record, dict) and isinstance(record.get("learner"), int):
+        learner_id = record["learner"]
+        if 0 <= learner_id < len(views) and record.get("rank", 0) == 0:
+            views[learner_id].update(record)
+
+
+def allreduce_bytes(num_params: int, steps: int, learners: int) -> int:
+    """Bytes a ring all-reduce of f32 gradients sends in total: 2(M−1)/M · 4N per worker-step."""
+    return int(steps * learners * 2 * (learners - 1) / learners * 4 * num_params)
+
+
+def _summary(
+    views: list[LearnerView],
+    paths: Paths,
+    args: argparse.Namespace,
+    rounds: int,
+    elapsed: float,
+    emit: Callable[[str], None] = print,
+) -> None:
+    done = [v.done for v in views if v.done]
+    if not done:
+        return
+    start = sum(d["eval_loss_start"] for d in done) / len(done)
+    final = sum(d["eval_loss_final"] for d in done) / len(done)
+    steps = max(int(d["steps"]) for d in done)
+    moved = sum(int(d["bytes_sent"]) + int(d["bytes_received"]) for d in done)
+    ring = allreduce_bytes(int(done[0]["num_params"]), steps, args.learners)
+    identical = len({d["params_sha256"] for d in done}) == 1
+    record = {
+        "learners": args.learners,
+        "fragments": args.fragments,
+        "wire_dtype": args.wire_dtype,
+        "merge": args.merge,
+        "rounds": rounds,
+        "seconds": elapsed,
+        "eval_loss_start": start,
+        "eval_loss_final": final,
+        "tokens": sum(int(d["tokens"]) for d in done),
+        "bytes_moved": moved,
+        "allreduce_bytes": ring,
+        "learners_identical": identical,
+        "checkpoint": str(paths.checkpoint),
+        "final_state": str(paths.final_state),
+        "event_tape": str(paths.tape),
+        "per_learner": done,
+    }
+    paths.summary.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    emit(f"yeto launch: finished in {elapsed:.1f} s — {rounds} rounds, {steps} local steps")
+    emit(f"  eval loss        {start:.3f} → {final:.3f} ({final - start:+.3f})")
+    if args.learners > 1:
+        ratio = f"{ring / moved:.1f}× less" if moved else "n/a"
+        emit(
+            f"  bytes moved      {human_bytes(moved)} (all-reduce data parallelism: "
+            f"{human_bytes(ring)} for {steps} steps; {ratio})"
+        )
+    else:
+        emit(f"  bytes moved      {human_bytes(moved)} (one learner: all-reduce would move none)")
+    emit(f"  learners agree   {'yes, bit for bit' if identical else 'NO'} (final parameters)")
+    emit(f"  checkpoint       {paths.checkpoint} (+ .final marker)")
+    emit(f"  final state      {paths.final_state}")
+    emit(f"  event tape       {paths.tape}")
+    emit(f"  summary          {paths.summary}")
+    for i in range(len(views)):
+        emit(f"  learner {i}        {paths.learner_dir(i)}/model.pt, layout.json")

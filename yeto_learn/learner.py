@@ -1,0 +1,637 @@
+"""A torch model as a YETO v4 learner.
+
+::
+
+    learner = yeto_learn.Learner(model, syncer="host:port", learner_id=i, num_learners=M,
+                                 fragments=8, wire_dtype="q4", out_dir="run/learner-0")
+    for batch in data:
+        loss = model(batch).loss; loss.backward(); opt.step(); opt.zero_grad()
+        learner.step(tokens=batch_tokens)   # applies broadcasts, answers pulls; never blocks
+        if learner.final_ready:             # the syncer finished its rounds: stop training
+            break
+    learner.finish()                        # final state applied, FINAL_ACK sent, artifact saved
+
+Construction builds the layout from the model's named trainable parameters, derives the
+session contract, starts the network client in a background thread, and returns once the
+session has started: every fragment holds the syncer's initial global state. ``step`` never
+waits on the network: the client thread and this one meet in thread-safe queues, and the
+protocol rules live in :class:`~yeto_learn.session.LearnerSession`, which this class drives.
+
+Under ``torchrun`` (an initialized ``torch.distributed`` process group of 2+ ranks) only rank 0
+talks to the syncer; see :mod:`yeto_learn.distributed`. ``step`` and ``finish`` are then
+collective: every rank calls them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from yeto_proto import (
+    BcastFragment,
+    ErrorMessage,
+    Hello,
+    Layout,
+    MergeMode,
+    ProtocolError,
+    WireDtype,
+)
+from yeto_proto.checkpoint import atomic_replace, write_bytes_atomically
+
+from .distributed import Apply, ApplyKind, Plan, PlanStatus, RankLink, rank_link
+from .model_layout import FragmentPattern, build_layout, normalize_name, session_contract
+from .session import (
+    AnchorRecorded,
+    ApplyBroadcast,
+    ApplyFinal,
+    Effect,
+    LearnerSession,
+    SendMessage,
+    ShutdownReceived,
+    SyncerFailed,
+)
+from .transport import (
+    ClientConfig,
+    ClientFailed,
+    FinishTimeout,
+    GroupLost,
+    GroupUp,
+    InboxItem,
+    LearnerError,
+    Received,
+    SyncerClient,
+    SyncerProtocolViolation,
+    SyncerRefused,
+    SyncerSilent,
+    parse_address,
+)
+
+RUN_ID_ENV = "YETO_RUN_ID"
+RUN_ID_FILE = "run_id"
+STATE_FILE = "model.pt"
+LAYOUT_FILE = "layout.json"
+SUMMARY_FILE = "learner.json"
+#: How long the waiting loops (start, finish) block on the inbox per turn.
+_POLL_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerStats:
+    """Counters for progress displays (read from the training thread)."""
+
+    local_step: int
+    tokens: int
+    pushes: int
+    broadcasts_applied: int
+    #: The highest fragment version applied so far: the syncer's newest committed round seen.
+    global_step: int
+    bytes_sent: int
+    bytes_received: int
+    generations: int
+
+
+class _FragmentParams:
+    """The trainable parameters seen as flat f32 fragments in layout order (torch views)."""
+
+    def __init__(self, layout: Layout, params: Mapping[str, torch.nn.Parameter]) -> None:
+        self.numels = layout.wire().numels
+        self._members: list[list[tuple[torch.nn.Parameter, int, int]]] = []
+        for placed in layout.offsets():
+            self._members.append([(params[t.name], at, t.numel) for t, at in placed])
+        self._scratch = [torch.empty(n, dtype=torch.float32) for n in self.numels]
+
+    def read(self, fragment_id: int) -> NDArray[np.float32]:
+        """Fragment values in a reusable buffer (valid until the next read of the fragment)."""
+        return self._gather(fragment_id, self._scratch[fragment_id])
+
+    def read_copy(self, fragment_id: int) -> NDArray[np.float32]:
+        """Fragment values in a fresh array (INIT keeps a view of it until it is sent)."""
+        return self._gather(fragment_id, torch.empty(self.numels[fragment_id]))
+
+    def _gather(self, fragment_id: int, out: torch.Tensor) -> NDArray[np.float32]:
+        with torch.no_grad():
+            for param, at, numel in self._members[fragment_id]:
+                out[at : at + numel].copy_(param.detach().reshape(-1))
+        result: NDArray[np.float32] = out.numpy()
+        return result
+
+    def apply(self, item: Apply, values: torch.Tensor, alpha: float) -> None:
+        """Carry out one plan item with flat f32 ``values`` of the fragment."""
+        with torch.no_grad():
+            for param, at, numel in self._members[item.fragment_id]:
+                theta = values[at : at + numel].view(param.shape)
+                if theta.device != param.device:
+                    theta = theta.to(param.device)
+                if item.kind is not ApplyKind.BLEND:
+                    param.copy_(theta)  # casts to the parameter's dtype
+                elif param.dtype == torch.float32:
+                    param.mul_(alpha).add_(theta, alpha=1.0 - alpha)
+                else:  # blend in f32, then round once to the parameter's dtype
+                    param.copy_(param.float().mul_(alpha).add_(theta, alpha=1.0 - alpha))
+
+
+def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Named trainable parameters with wrapper components (DDP ``module.``…) removed."""
+    return {normalize_name(n): p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _wire_dtype(value: str | WireDtype) -> WireDtype:
+    if isinstance(value, WireDtype):
+        return value
+    try:
+        return WireDtype[str(value).upper()]
+    except KeyError:
+        raise ValueError(f"wire_dtype must be f32, bf16 or q4, got {value!r}") from None
+
+
+def resolve_run_id(
+    run_id: str | None, *, out_dir: Path | None, resume: bool, num_learners: int
+) -> str:
+    """The run id behind the session contract (every learner of a run must share it).
+
+    Explicit ``run_id`` > the one persisted in ``out_dir`` when resuming > ``$YETO_RUN_ID`` > a
+    fresh one for a single learner. A fresh run must never reuse a contract by accident, so a
+    resumed run reads the id it persisted, and several learners must be given one id.
+    """
+    persisted = None
+    if out_dir is not None and (out_dir / RUN_ID_FILE).exists():
+        persisted = (out_dir / RUN_ID_FILE).read_text(encoding="utf-8").strip()
+    if resume:
+        if persisted is None:
+            raise ValueError(f"resume=True but {out_dir} holds no {RUN_ID_FILE} to resume")
+        if run_id is not None and run_id != persisted:
+            raise ValueError(f"resume=True with run_id {run_id!r}, but {out_dir} ran {persisted!r}")
+        return persisted
+    chosen = run_id or os.environ.get(RUN_ID_ENV)
+    if chosen is None:
+        if num_learners > 1:
+            raise ValueError(
+                f"{num_learners} learners must share one run id: pass run_id= (or set "
+                f"{RUN_ID_ENV}); yeto launch does this for you"
+            )
+        chosen = uuid.uuid4().hex
+    if persisted is not None and persisted == chosen:
+        raise ValueError(
+            f"{out_dir} already ran {chosen!r}; pass resume=True to continue it on purpose, "
+            "or use a fresh run id / output directory"
+        )
+    return chosen
+
+
+class Learner:
+    """One logical YETO learner around a torch model (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        syncer: str,
+        learner_id: int,
+        num_learners: int,
+        fragments: int = 8,
+        wire_dtype: str | WireDtype = "f32",
+        fragment_pattern: str | FragmentPattern = FragmentPattern.BALANCED,
+        matrix_merge: str | MergeMode = MergeMode.AVG,
+        merge_alpha: float = 0.5,
+        streams: int = 4,
+        out_dir: str | os.PathLike[str] | None = None,
+        run_id: str | None = None,
+        resume: bool = False,
+        experiment: Mapping[str, Any] | None = None,
+        profile_hash: bytes | None = None,
+        hello_key: bytes | None = None,
+        connect_timeout: float = 60.0,
+        reconnect_timeout: float = 120.0,
+        finish_timeout: float = 600.0,
+        budget_steps: int | None = None,
+        adopt_first_broadcast: bool = True,
+        process_group: Any = None,
+    ) -> None:
+        if not 0 <= learner_id < num_learners:
+            raise ValueError(f"learner_id {learner_id} outside 0..{num_learners - 1}")
+        if budget_steps is not None and not 1 <= budget_steps < 1 << 32:
+            raise ValueError(f"budget_steps must be in 1..2^32-1, got {budget_steps}")
+        if not 0.0 <= merge_alpha <= 1.0:
+            raise ValueError(f"merge_alpha must be in [0, 1], got {merge_alpha}")
+        self.model = model
+        self.learner_id = learner_id
+        self.num_learners = num_learners
+        self.merge_alpha = float(merge_alpha)
+        self.dtype = _wire_dtype(wire_dtype)
+        self.syncer_address = syncer
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.finish_timeout = finish_timeout
+        self.adopt_first_broadcast = adopt_first_broadcast
+        #: Benchmark closure (spec/closure.md): train exactly this many steps, then freeze.
+        self.budget_steps = budget_steps
+        self.budget_reported = False
+        #: The connection epoch BUDGET_DONE went out on: its late pulls stay unanswered.
+        self._budget_epoch: int | None = None
+
+        params = trainable_parameters(model)
+        pattern = FragmentPattern(fragment_pattern)
+        merge = MergeMode[matrix_merge.upper()] if isinstance(matrix_merge, str) else matrix_merge
+        self.layout = build_layout(
+            ((name, tuple(p.shape)) for name, p in params.items()),
+            fragments=fragments,
+            pattern=pattern,
+            matrix_merge=merge,
+        )
+        self._params = _FragmentParams(self.layout, params)
+        identity = {
+            "fragments": fragments,
+            "fragment_pattern": pattern.value,
+            "matrix_merge": MergeMode(merge).name.lower(),
+            "merge_alpha": self.merge_alpha,
+            "num_learners": num_learners,
+            "experiment": dict(experiment or {}),
+        }
+        if budget_steps is not None:
+            identity["budget_steps"] = budget_steps
+        self._link: RankLink = rank_link(self._params.numels, process_group)
+        self.is_leader = self._link.is_leader
+        self.run_id = ""
+        self.contract = b""
+        self._session: LearnerSession | None = None
+        self._client: SyncerClient | None = None
+        self._epoch = 0
+        self._adopted = [False] * len(self._params.numels)
+        self._final: ApplyFinal | None = None
+        #: (fragment, version) of broadcasts in the plan being applied, confirmed afterwards.
+        self._confirm: list[tuple[int, int]] = []
+        self._shutdown = False
+        self._finished = False
+        self._failed: BaseException | None = None
+        self.final_ready = False
+        self.final_global_step: int | None = None
+        self._pushes = 0
+        self._applied = 0
+        self._global_step = 0
+        self._tokens = 0
+        self._local_step = 0
+
+        if self.is_leader:
+            # Identity and the network are rank 0's; other ranks learn everything from plans.
+            self.run_id = resolve_run_id(
+                run_id, out_dir=self.out_dir, resume=resume, num_learners=num_learners
+            )
+            if self.out_dir is not None:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                _write_text_atomically(self.out_dir / RUN_ID_FILE, self.run_id + "\n")
+            self.contract = session_contract(
+                self.layout, self.dtype, run_id=self.run_id, experiment=identity
+            )
+            wire = self.layout.wire()
+            fingerprint = self.layout.fingerprint()
+            self._session = LearnerSession(
+                wire,
+                self.dtype,
+                learner_id,
+                layout_fingerprint=fingerprint,
+                session_contract=self.contract,
+                profile_hash=profile_hash,
+                budget_steps=budget_steps,
+            )
+            host, port = parse_address(syncer)
+            hello = Hello(
+                learner_id=learner_id,
+                generation=1,  # replaced by a fresh generation for every dial
+                dtype=self.dtype,
+                layout=wire,
+                layout_fingerprint=fingerprint,
+                session_contract=self.contract,
+                num_streams=streams,
+                profile_hash=profile_hash,
+            )
+            config = ClientConfig(
+                host,
+                port,
+                num_streams=streams,
+                connect_timeout=connect_timeout,
+                reconnect_timeout=reconnect_timeout,
+                hello_key=hello_key,
+            )
+            self._client = SyncerClient(config, hello, self._session.limits)
+            self._client.start()
+        deadline = time.monotonic() + connect_timeout
+        try:
+            self._service_until(
+                lambda: all(self._adopted),
+                deadline,
+                self._start_timeout_error,
+            )
+        except BaseException:
+            self._close_client()
+            raise
+
+    def _start_timeout_error(self) -> LearnerError:
+        assert self._client is not None
+        if self._epoch == 0:  # no connection group was ever opened
+            return self._client.unreachable()
+        return SyncerSilent(
+            f"no session started with the syncer at {self.syncer_address} within "
+            f"{self._client.config.connect_timeout:g} s: is it a yeto-sync, and did all "
+            f"{self.num_learners} learners join?"
+        )
+
+    # -- the training loop's API -----------------------------------------------------------
+    def step(self, tokens: int = 0) -> None:
+        """Record one local optimizer step over ``tokens`` raw units; apply what arrived.
+
+        Never waits on the network. Under torchrun it is collective (every rank calls it with
+        its own tokens; they are summed).
+        """
+        self._usable()
+        if self.budget_reached:
+            raise LearnerError(
+                f"the budget of {self.budget_steps} local steps is reached: call finish()"
+            )
+        total = self._link.sum_tokens(int(tokens))
+        plan: Plan | None = None
+        error: BaseException | None = None
+        if self.is_leader:
+            try:
+                session = self._leader_session()
+                session.record_step(total)
+                plan = self._plan(self._client_items(0.0))
+            except BaseException as exc:  # every rank must hear of it before anyone raises
+                error = exc
+                plan = Plan(PlanStatus.FAILED, error=str(exc))
+        self._run(plan, error)
+        self._local_step += 1
+        self._tokens += total
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Wait for the final state, apply it, ACK it, and save the learner's artifact.
+
+        Keeps answering pulls meanwhile. Raises :class:`FinishTimeout` if the syncer's final
+        cut (or its SHUTDOWN after our ACK) does not arrive within ``timeout`` seconds
+        (default ``finish_timeout``); nothing local is ever saved in its place.
+        """
+        self._usable()
+        if self.budget_reached and not self.budget_reported:
+            self.report_budget()
+        limit = self.finish_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        self._service_until(
+            lambda: self._shutdown,
+            deadline,
+            lambda: FinishTimeout(
+                f"the syncer at {self.syncer_address} did not complete finalization within "
+                f"{limit:g} s (final state {'applied' if self.final_global_step else 'missing'})"
+            ),
+            finishing=True,
+        )
+        self._finished = True
+        if self.is_leader:
+            self._close_client()
+            self._save_artifact()
+
+    @property
+    def budget_reached(self) -> bool:
+        """A budget was given and exactly that many local steps are done: stop training."""
+        return self.budget_steps is not None and self._local_step >= self.budget_steps
+
+    def report_budget(self) -> None:
+        """Send BUDGET_DONE and freeze (``finish`` does this itself once the budget is reached).
+
+        Call only after optimizer and data work stopped. From now on broadcasts only move the
+        anchors; pulls of the cutoff syncer are not answered; after the reconnect each pull is
+        answered with ``frozen − anchor`` and ``c_steps = local_step = budget``.
+        """
+        self._usable()
+        if not self.budget_reached or self.budget_reported:
+            raise LearnerError(
+                f"BUDGET_DONE needs exactly {self.budget_steps} local steps, sent once "
+                f"(at {self._local_step}, {'already' if self.budget_reported else 'not'} sent)"
+            )
+        if self.is_leader:
+            self._send(self._leader_session().budget_done())
+            self._budget_epoch = self._epoch
+        self.budget_reported = True
+
+    def close(self) -> None:
+        """Stop the network client without finalizing (e.g. on an error in the training loop)."""
+        self._finished = True
+        self._close_client()
+
+    @property
+    def stats(self) -> LearnerStats:
+        counters = self._client.counters if self._client is not None else None
+        return LearnerStats(
+            local_step=self._local_step,
+            tokens=self._tokens,
+            pushes=self._pushes,
+            broadcasts_applied=self._applied,
+            global_step=self._global_step,
+            bytes_sent=counters.bytes_sent if counters else 0,
+            bytes_received=counters.bytes_received if counters else 0,
+            generations=len(self._client.generations) if self._client else 0,
+        )
+
+    @property
+    def generations(self) -> list[int]:
+        """Every connection generation this learner dialed (rank 0 only)."""
+        return list(self._client.generations) if self._client is not None else []
+
+    # -- one turn of the protocol -----------------------------------------------------------
+    def _service_until(
+        self,
+        done: Callable[[], bool],
+        deadline: float,
+        on_timeout: Callable[[], LearnerError],
+        *,
+        finishing: bool = False,
+    ) -> None:
+        """Serve the syncer (wait, apply, answer) until ``done()`` holds on rank 0."""
+        while True:
+            plan: Plan | None = None
+            error: BaseException | None = None
+            if self.is_leader:
+                try:
+                    left = deadline - time.monotonic()
+                    if done():
+                        plan = Plan(PlanStatus.DONE)
+                    elif left <= 0:
+                        raise on_timeout()
+                    else:
+                        items = self._client_items(min(_POLL_S, left))
+                        plan = self._plan(items)
+                        if finishing and self._final is not None:
+                            plan.applies += self._final_applies(self._final)
+                except BaseException as exc:
+                    error = exc
+                    plan = Plan(PlanStatus.FAILED, error=str(exc))
+            plan = self._run(plan, error)
+            if plan.status is PlanStatus.DONE:
+                return
+
+    def _run(self, plan: Plan | None, error: BaseException | None) -> Plan:
+        """Share ``plan`` with every rank, apply it, then let rank 0 confirm and answer."""
+        if plan is not None:
+            plan.global_step = self._global_step
+        plan = self._link.run_plan(plan, self._apply)
+        self._global_step = plan.global_step
+        if plan.status is PlanStatus.FAILED:
+            failure = error if error is not None else LearnerError(plan.error)
+            self._failed = failure
+            self._close_client()
+            raise failure
+        if plan.status is PlanStatus.FINAL_READY:
+            self.final_ready = True
+        if self.is_leader:
+            try:
+                self._after_apply(plan)
+            except BaseException as exc:
+                self._failed = exc
+                self._close_client()
+                raise
+        return plan
+
+    def _apply(self, item: Apply, values: torch.Tensor) -> None:
+        self._params.apply(item, values, self.merge_alpha)
+
+    def _client_items(self, wait: float) -> list[InboxItem]:
+        assert self._client is not None
+        items = self._client.poll()
+        if not items and wait > 0:
+            item = self._client.wait(wait)
+            if item is not None:
+                items = [item, *self._client.poll()]
+        return items
+
+    def _plan(self, items: list[InboxItem]) -> Plan:
+        """Feed the client's items to the session; collect what every rank must apply."""
+        session = self._leader_session()
+        applies: list[Apply] = []
+        for item in items:
+            match item:
+                case GroupUp():
+                    self._epoch = item.epoch
+                    session.hello(item.num_streams, generation=item.generation)
+                    if self.learner_id == 0:
+                        for init in session.init_messages(self._params.read_copy):
+                            self._send(init)
+                case GroupLost():
+                    if item.epoch == self._epoch:
+                        session.connection_lost()
+                case Received():
+                    applies += self._receive(session, item)
+                case ClientFailed():
+                    raise item.error
+        status = PlanStatus.FINAL_READY if self._final is not None else PlanStatus.RUNNING
+        return Plan(status, applies)
+
+    def _receive(self, session: LearnerSession, item: Received) -> list[Apply]:
+        try:
+            effects = session.receive(item.message)
+        except ProtocolError as exc:
+            if isinstance(item.message, ErrorMessage):
+                raise SyncerRefused(self.syncer_address, item.message.text) from None
+            raise SyncerProtocolViolation(self.syncer_address, exc) from None
+        if isinstance(item.message, BcastFragment):
+            self._global_step = max(self._global_step, item.message.version)
+        return [a for effect in effects if (a := self._carry_out(effect)) is not None]
+
+    def _carry_out(self, effect: Effect) -> Apply | None:
+        match effect:
+            case ApplyBroadcast():
+                p = effect.fragment_id
+                adopt = self.adopt_first_broadcast and not self._adopted[p]
+                kind = ApplyKind.ADOPT if adopt else ApplyKind.BLEND
+                self._confirm.append((p, effect.version))
+                return Apply(kind, p, effect.global_params)
+            case ApplyFinal():
+                self._final = effect
+                self.final_ready = True
+            case SendMessage():
+                self._send(effect.message)
+            case SyncerFailed():
+                raise SyncerRefused(self.syncer_address, effect.text)
+            case ShutdownReceived():
+                self._shutdown = True
+            case AnchorRecorded():
+                pass
+        return None
+
+    def _final_applies(self, final: ApplyFinal) -> list[Apply]:
+        return [Apply(ApplyKind.FINAL, p, values) for p, values in enumerate(final.fragments)]
+
+    def _after_apply(self, plan: Plan) -> None:
+        """Rank 0, after every rank applied ``plan``: confirm to the session, then answer."""
+        session = self._leader_session()
+        for p, version in self._confirm:
+            session.broadcast_applied(p, version)
+            self._adopted[p] = True
+            self._applied += 1
+        self._confirm.clear()
+        final = self._final
+        if final is not None and any(a.kind is ApplyKind.FINAL for a in plan.applies):
+            self._final = None
+            self.final_global_step = final.final_global_step
+            ack = session.final_applied(final.final_global_step)
+            if ack is not None:
+                self._send(ack)
+        if session.final_applied_step is None and self._epoch != self._budget_epoch:
+            for push in session.answer_pulls(self._params.read):
+                self._send(push)
+                self._pushes += 1
+        assert self._client is not None
+        self._client.local_step = session.local_step
+
+    def _send(self, message: Any) -> None:
+        assert self._client is not None
+        self._client.send(self._epoch, message)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _leader_session(self) -> LearnerSession:
+        if self._session is None:
+            raise RuntimeError("only the leading rank holds the protocol session")
+        return self._session
+
+    def _usable(self) -> None:
+        if self._failed is not None:
+            raise LearnerError(f"the learner failed earlier: {self._failed}") from self._failed
+        if self._finished:
+            raise LearnerError("the learner finished; build a new one for another run")
+
+    def _close_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+    def _save_artifact(self) -> None:
+        """The learner-owned artifact: state dict, layout JSON and a summary, each atomic."""
+        if self.out_dir is None:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        state = {normalize_name(k): v.detach().cpu() for k, v in self.model.state_dict().items()}
+        with atomic_replace(self.out_dir / STATE_FILE) as staging:
+            torch.save(state, staging)
+        _write_text_atomically(self.out_dir / LAYOUT_FILE, self.layout.to_json())
+        summary = {
+            "learner_id": self.learner_id,
+            "run_id": self.run_id,
+            "wire_dtype": self.dtype.name.lower(),
+            "final_global_step": self.final_global_step,
+            "layout_fingerprint": self.layout.fingerprint().hex(),
+            "session_contract": self.contract.hex(),
+            "local_steps": self._local_step,
+            "tokens": self._tokens,
+            "state_dict": STATE_FILE,
+            "layout": LAYOUT_FILE,
+        }
+        _write_text_atomically(self.out_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+
+
+def _write_text_atomically(path: Path, text: str) -> None:
+    write_bytes_atomically(path, text.encode("utf-8"))

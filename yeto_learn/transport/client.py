@@ -1,0 +1,341 @@
+"""The learner's network side: an anyio event loop in a background thread.
+
+The training thread never waits on the network. It and the client thread meet in two
+thread-safe queues:
+
+* the **inbox** (client → training): :mod:`.events` items in arrival order — ``GroupUp``,
+  ``Received`` messages, ``GroupLost``, and ``ClientFailed`` when the client gives up;
+* the **outbox** (training → client): ``(epoch, message)`` pairs; a write to a self-pipe wakes
+  the event loop. A message for any epoch but the current group's is dropped: what was queued
+  for a dead group never reaches the next one (spec: a message never straddles generations).
+
+The client knows nothing of anchors or pulls (that is :class:`~yeto_learn.session.
+LearnerSession`, driven by the training thread); it dials groups, frames, stripes and
+reassembles, sends a HEARTBEAT every second, and redials a lost group with a fresh random
+nonzero generation after 1 s, doubling after every failed attempt up to 30 s
+(:func:`~yeto_learn.session.backoff_delay`). It stops for good — one ``ClientFailed`` — when
+the first group cannot be opened within ``connect_timeout``, when no group could be reopened
+within ``reconnect_timeout`` of losing one, or when the syncer breaks the protocol. After the
+syncer's ERROR or SHUTDOWN it does not redial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+
+import anyio
+
+from yeto_proto import (
+    AnyMessage,
+    DataHello,
+    ErrorMessage,
+    Heartbeat,
+    Hello,
+    Limits,
+    ProtocolError,
+    Shutdown,
+    encode,
+)
+from yeto_proto.constants import CHUNK_SLICE_SIZE, MAX_STREAMS
+
+from ..session.reconnect import backoff_delay, fresh_generation
+from .errors import SyncerProtocolViolation, SyncerUnreachable
+from .events import ClientFailed, GroupLost, GroupUp, InboxItem, Received
+from .group import RECV_BUFFER_SIZE, ConnectionGroup, Counters, open_socket
+
+#: HEARTBEAT interval (spec/learner.md §9: not part of the wire contract).
+HEARTBEAT_INTERVAL_S = 1.0
+#: Bound on one dial (TCP connects and queuing the hellos) before it counts as failed.
+DIAL_TIMEOUT_S = 10.0
+#: How long ``close`` lets queued frames drain before it cuts the sockets.
+CLOSE_FLUSH_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    host: str
+    port: int
+    #: S, the data sockets per group (0: bulk frames go plain on stream 0).
+    num_streams: int = 4
+    #: Deadline for opening the first group.
+    connect_timeout: float = 60.0
+    #: After a group is lost, deadline for opening a new one before giving up.
+    reconnect_timeout: float = 120.0
+    heartbeat_interval: float = HEARTBEAT_INTERVAL_S
+    hello_key: bytes | None = None
+    slice_size: int = CHUNK_SLICE_SIZE
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_streams <= MAX_STREAMS:
+            raise ValueError(f"num_streams must be in 0..{MAX_STREAMS}, got {self.num_streams}")
+        if self.connect_timeout <= 0 or self.reconnect_timeout <= 0:
+            raise ValueError("connect_timeout and reconnect_timeout must be positive")
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` for IPv6) → (host, port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"syncer address must be HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+class SyncerClient:
+    """Connection groups to one syncer, served by an event loop in a daemon thread."""
+
+    def __init__(self, config: ClientConfig, hello: Hello, limits: Limits) -> None:
+        self.config = config
+        #: Every HELLO of the run is this one with a fresh generation and ``num_streams``.
+        self._hello = replace(hello, num_streams=config.num_streams)
+        self._limits = limits
+        self.counters = Counters()
+        #: Written by the training thread; read for each HEARTBEAT.
+        self.local_step = 0
+        #: Every generation dialed, in order.
+        self.generations: list[int] = []
+        #: Why the last dial failed or the last group ended.
+        self.last_error = ""
+        self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
+        self._outbox: deque[tuple[int, AnyMessage]] = deque()
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._wake_writer.setblocking(False)
+        self._close_requested = False
+        self._thread: threading.Thread | None = None
+        # Owned by the event loop thread:
+        self._epoch = 0
+        self._group: ConnectionGroup | None = None
+        self._terminal = False  # ERROR or SHUTDOWN seen: never redial
+        self._ever_served = False  # some group got a frame from the syncer
+        self._stop: anyio.Event | None = None
+        self._recv_buffer = bytearray(RECV_BUFFER_SIZE)
+
+    # -- the training thread's side --------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the client was started already")
+        self._thread = threading.Thread(
+            target=anyio.run, args=(self._main,), name="yeto-learner-client", daemon=True
+        )
+        self._thread.start()
+
+    def send(self, epoch: int, message: AnyMessage) -> None:
+        """Queue ``message`` for the group of ``epoch``; returns at once."""
+        self._outbox.append((epoch, message))
+        self._wake()
+
+    def poll(self) -> list[InboxItem]:
+        """Every inbox item available now (never blocks)."""
+        items: list[InboxItem] = []
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def wait(self, timeout: float) -> InboxItem | None:
+        """The next inbox item, waiting at most ``timeout`` seconds."""
+        try:
+            return self._inbox.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return None
+
+    def close(self, timeout: float = CLOSE_FLUSH_S + 1.0) -> None:
+        """Flush what is queued (briefly), close the sockets and stop the thread."""
+        self._close_requested = True
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self._wake_reader.close()
+            self._wake_writer.close()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_writer.send(b"\0")
+
+    # -- the event loop ----------------------------------------------------------------------
+    async def _main(self) -> None:
+        self._stop = anyio.Event()
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(self._pump_outbox)
+            try:
+                await self._connection_loop()
+            finally:
+                tasks.cancel_scope.cancel()
+
+    async def _pump_outbox(self) -> None:
+        while True:
+            await anyio.wait_readable(self._wake_reader)
+            with contextlib.suppress(BlockingIOError):
+                while self._wake_reader.recv(4096):
+                    pass
+            self._dispatch_outbox()
+            if self._close_requested and self._stop is not None and not self._stop.is_set():
+                self._stop.set()
+                if self._group is not None:
+                    self._group.stop("closed by the learner", flush=True)
+
+    def _dispatch_outbox(self) -> None:
+        group = self._group
+        while self._outbox:
+            epoch, message = self._outbox.popleft()
+            if group is not None and epoch == self._epoch and not group.ended:
+                group.send(message)
+            else:
+                self.counters.frames_dropped += 1
+
+    def _post(self, item: InboxItem) -> None:
+        self._inbox.put(item)
+
+    def _fail(self, error: SyncerUnreachable | SyncerProtocolViolation) -> None:
+        self._post(ClientFailed(error))
+
+    async def _sleep_unless_stopped(self, seconds: float) -> None:
+        assert self._stop is not None
+        with anyio.move_on_after(max(seconds, 0.0)):
+            await self._stop.wait()
+
+    async def _connection_loop(self) -> None:
+        assert self._stop is not None
+        cfg = self.config
+        give_up_at = time.monotonic() + cfg.connect_timeout
+        first = True
+        delays = 0  # backoff index: consecutive failed attempts since the last good group
+        while not self._stop.is_set():
+            if not first:
+                wait = min(backoff_delay(delays), max(give_up_at - time.monotonic(), 0.0))
+                delays += 1
+                await self._sleep_unless_stopped(wait)
+                if self._stop.is_set():
+                    return
+            first = False
+            try:
+                group = await self._dial()
+            except (OSError, TimeoutError) as exc:
+                self.last_error = _describe(exc)
+                if time.monotonic() >= give_up_at:
+                    self._fail(self.unreachable())
+                    return
+                continue
+            try:
+                reason = await self._serve(group)
+            except ProtocolError as exc:
+                self._fail(SyncerProtocolViolation(cfg.address, exc))
+                return
+            self.last_error = reason
+            if self._terminal or self._stop.is_set():
+                return
+            if group.received_any:  # a working group: the backoff and the deadline restart
+                self._ever_served = True
+                delays = 0
+                give_up_at = time.monotonic() + cfg.reconnect_timeout
+            elif time.monotonic() >= give_up_at:
+                self._fail(self.unreachable())
+                return
+
+    def unreachable(self) -> SyncerUnreachable:
+        """The error for a syncer that could not be reached (again) in time."""
+        cfg = self.config
+        if not self._ever_served:
+            what = (
+                f"could not connect to the syncer at {cfg.address} within {cfg.connect_timeout:g} s"
+            )
+        else:
+            what = (
+                f"lost the syncer at {cfg.address} and could not reconnect within "
+                f"{cfg.reconnect_timeout:g} s"
+            )
+        return SyncerUnreachable(
+            f"{what} (last error: {self.last_error or 'none'}); is yeto-sync running there?"
+        )
+
+    async def _dial(self) -> ConnectionGroup:
+        """Open stream 0 and the data sockets of a new generation; queue HELLO, DATA_HELLOs."""
+        cfg = self.config
+        generation = fresh_generation(set(self.generations))
+        self.generations.append(generation)
+        hello = replace(self._hello, generation=generation)
+        sockets: list[socket.socket] = []
+        try:
+            with anyio.fail_after(DIAL_TIMEOUT_S):
+                for _ in range(1 + cfg.num_streams):
+                    sockets.append(await open_socket(cfg.host, cfg.port))
+        except BaseException:
+            for sock in sockets:
+                sock.close()
+            raise
+        epoch = self._epoch + 1
+        group = ConnectionGroup(
+            sockets,
+            self._limits,
+            deliver=lambda message: self._deliver(epoch, message),
+            counters=self.counters,
+            recv_buffer=self._recv_buffer,
+            slice_size=cfg.slice_size,
+        )
+        frames = [encode(hello, hello_key=cfg.hello_key)]
+        frames += [
+            encode(DataHello(hello.learner_id, generation, i)) for i in range(cfg.num_streams)
+        ]
+        group.send_first(frames)
+        return group
+
+    async def _serve(self, group: ConnectionGroup) -> str:
+        """Make ``group`` current until it ends; return why (raises the syncer's violation)."""
+        self._epoch += 1
+        epoch = self._epoch
+        self._group = group
+        self._post(GroupUp(epoch, self.generations[-1], self.config.num_streams))
+        self._dispatch_outbox()  # anything queued meanwhile belongs to an older epoch
+        violation: ProtocolError | None = None
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(self._heartbeats, group)
+                try:
+                    await group.run()
+                except ProtocolError as exc:
+                    violation = exc
+                tasks.cancel_scope.cancel()
+        finally:
+            self._group = None
+            self._post(GroupLost(epoch, group.reason))
+        if violation is not None:
+            raise violation
+        return group.reason
+
+    async def _heartbeats(self, group: ConnectionGroup) -> None:
+        learner_id = self._hello.learner_id
+        while not group.ended:
+            await anyio.sleep(self.config.heartbeat_interval)
+            group.send(Heartbeat(learner_id, self.local_step))
+
+    def _deliver(self, epoch: int, message: AnyMessage) -> None:
+        self._post(Received(epoch, message))
+        if isinstance(message, ErrorMessage | Shutdown):
+            # ERROR is fatal and SHUTDOWN completes the run: neither is followed by a redial.
+            self._terminal = True
+            if self._group is not None:
+                self._group.stop("the syncer ended the session", flush=True)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return f"no connection within {DIAL_TIMEOUT_S:g} s"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,315 @@
+"""One learner connection group on anyio: stream 0 (control) plus S data sockets.
+
+Receive path: every socket reads with ``recv_into`` into one reusable buffer shared by the
+group's readers (each read is fed to that socket's decoder, which copies the bytes once into the
+frame they belong to, before the reader yields) — the measured fast path of BENCHMARKS.md.
+CHUNKs from any socket go to the group's one :class:`~yeto_proto.Reassembler`.
+
+Send path: frames are the buffer lists of :func:`yeto_proto.encode` (tensor bytes stay views)
+and go out whole with ``socket.sendmsg``, one writer task per socket. INIT and PUSH are sliced
+into CHUNKs dealt round-robin over the data sockets; with none they go plain on stream 0.
+
+Any socket failing, closing or stalling ends the whole group (spec/learner.md §1.6): partial
+CHUNK messages and queued frames die with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.lowlevel
+
+from yeto_proto import (
+    AnyMessage,
+    Chunk,
+    ChunkSlicer,
+    DecoderState,
+    FrameDecoder,
+    Limits,
+    ProtocolError,
+    Reassembler,
+    Role,
+    encode,
+)
+from yeto_proto.constants import CHUNK_SLICE_SIZE, STRIPED_TYPES
+from yeto_proto.frames import Buffers
+
+RECV_BUFFER_SIZE = 1 << 20
+_CONNECT_PENDING = (errno.EINPROGRESS, errno.EALREADY, errno.EAGAIN, errno.EWOULDBLOCK)
+#: iovecs per sendmsg call (Linux allows 1024).
+IOV_BATCH = 512
+#: A socket that accepts no byte for this long ends the group.
+SEND_STALL_TIMEOUT_S = 60.0
+#: After one socket closes cleanly, how long the others may still deliver what they hold.
+CLOSE_GRACE_S = 0.5
+
+
+@dataclass
+class Counters:
+    """Bytes moved, for progress displays; written by the client thread only."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    frames_dropped: int = 0
+
+
+@dataclass(eq=False)
+class _Stream:
+    index: int  # 0 = control; 1 + stream_idx for data sockets
+    sock: socket.socket
+    decoder: FrameDecoder
+    queue: deque[Buffers] = field(default_factory=deque)
+    ready: anyio.Event = field(default_factory=anyio.Event)
+
+    def put(self, frame: Buffers) -> None:
+        self.queue.append(frame)
+        self.ready.set()
+
+
+class GroupBroken(Exception):
+    """The group ended; ``args[0]`` says why."""
+
+
+def _close_quietly(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+async def open_socket(host: str, port: int) -> socket.socket:
+    """A connected, non-blocking TCP socket (raises OSError, e.g. connection refused)."""
+    infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    last: OSError = OSError(f"no address for {host}:{port}")
+    for family, kind, proto, _, address in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            code = sock.connect_ex(address)
+            if code not in (0, *_CONNECT_PENDING):
+                raise OSError(code, os.strerror(code))
+            if code:
+                await anyio.wait_writable(sock)
+                code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if code:
+                    raise OSError(code, os.strerror(code))
+            return sock
+        except BaseException as exc:
+            _close_quietly(sock)
+            if not isinstance(exc, OSError):
+                raise
+            last = exc
+    raise last
+
+
+class ConnectionGroup:
+    """The sockets of one connection generation; :meth:`run` serves them until the group ends.
+
+    ``deliver`` receives every decoded message in arrival order (CHUNKs reassembled). A decoding
+    error is the syncer's protocol violation: :meth:`run` raises it.
+    """
+
+    def __init__(
+        self,
+        sockets: list[socket.socket],
+        limits: Limits,
+        *,
+        deliver: Callable[[AnyMessage], None],
+        counters: Counters,
+        recv_buffer: bytearray,
+        slice_size: int = CHUNK_SLICE_SIZE,
+        stall_timeout: float = SEND_STALL_TIMEOUT_S,
+    ) -> None:
+        self._streams = [
+            _Stream(i, sock, FrameDecoder(Role.LEARNER, limits=limits))
+            for i, sock in enumerate(sockets)
+        ]
+        data_streams = len(sockets) - 1
+        self._slicer = ChunkSlicer(data_streams, slice_size) if data_streams else None
+        self._reassembler = Reassembler(Role.LEARNER, limits)
+        self._deliver = deliver
+        self._counters = counters
+        self._buffer = recv_buffer
+        self._view = memoryview(recv_buffer)
+        self._stall_timeout = stall_timeout
+        self._ended = anyio.Event()
+        #: Set by the first clean close (or by the end): the group is going away.
+        self._closing = anyio.Event()
+        self._closed_streams: set[int] = set()
+        self._reason = ""
+        self._violation: ProtocolError | None = None
+        self._draining = False
+        #: The syncer sent at least one frame on this group.
+        self.received_any = False
+
+    # -- sending ---------------------------------------------------------------------------
+    def send(self, message: AnyMessage) -> None:
+        """Queue ``message``: bulk frames striped over the data sockets, the rest on stream 0."""
+        if self._ended.is_set():
+            self._counters.frames_dropped += 1
+            return
+        frame = encode(message)
+        if self._slicer is None or message.TYPE not in STRIPED_TYPES:
+            self._streams[0].put(frame)
+            return
+        for piece in self._slicer.slice(frame):
+            self._streams[1 + piece.stream_idx].put(piece.buffers)
+
+    def send_first(self, frames: list[Buffers]) -> None:
+        """The opening frame of each socket (HELLO on stream 0, DATA_HELLO on the others)."""
+        for stream, frame in zip(self._streams, frames, strict=True):
+            stream.put(frame)
+
+    # -- running ---------------------------------------------------------------------------
+    async def run(self) -> str:
+        """Serve the sockets until any of them ends; return why. Closes every socket."""
+        try:
+            async with anyio.create_task_group() as tasks:
+                for stream in self._streams:
+                    tasks.start_soon(self._read_loop, stream)
+                    tasks.start_soon(self._write_loop, stream)
+                await self._closing.wait()
+                # The syncer closes a whole group at once (after SHUTDOWN, say), and one
+                # socket's EOF can overtake frames the others still hold: let them deliver.
+                with anyio.move_on_after(CLOSE_GRACE_S):
+                    await self._ended.wait()
+                self._end("closed")
+                tasks.cancel_scope.cancel()
+        finally:
+            self._end("closed")
+            for stream in self._streams:
+                _close_quietly(stream.sock)
+                stream.queue.clear()
+            self._reassembler.clear()
+        if self._violation is not None:
+            raise self._violation
+        return self._reason
+
+    def stop(self, reason: str, *, flush: bool) -> None:
+        """End the group now, or once every queued frame is written (``flush``)."""
+        if flush and any(stream.queue for stream in self._streams):
+            self._draining = True
+            self._reason = self._reason or reason
+            for stream in self._streams:
+                stream.ready.set()
+            return
+        self._end(reason)
+
+    @property
+    def reason(self) -> str:
+        return self._reason or "closed"
+
+    @property
+    def ended(self) -> bool:
+        return self._ended.is_set()
+
+    def _end(self, reason: str) -> None:
+        if not self._ended.is_set():
+            self._reason = self._reason or reason
+            self._ended.set()
+            self._closing.set()
+
+    def _closed_cleanly(self, stream: _Stream, reason: str) -> None:
+        """One socket reached EOF: the group ends once all have, or after the close grace."""
+        self._closed_streams.add(stream.index)
+        self._reason = self._reason or reason
+        if len(self._closed_streams) == len(self._streams):
+            self._end(reason)
+        else:
+            self._closing.set()
+
+    async def _read_loop(self, stream: _Stream) -> None:
+        # One buffer serves every reader: a read is fed (copied) before this task yields.
+        sock, decoder, view = stream.sock, stream.decoder, self._view
+        name = "stream 0" if stream.index == 0 else f"data stream {stream.index - 1}"
+        while True:
+            try:
+                size = sock.recv_into(self._buffer)
+            except (BlockingIOError, InterruptedError):
+                await anyio.wait_readable(sock)
+                continue
+            except OSError as exc:
+                self._end(f"{name}: receive failed: {exc.strerror or exc}")
+                return
+            if size == 0:
+                # A cut inside a frame is a lost connection (a killed syncer, a broken link):
+                # the group is redialed, not failed. Whole frames were delivered already.
+                if decoder.mid_frame:
+                    self._end(f"{name} closed inside a frame")
+                else:
+                    self._closed_cleanly(stream, f"{name} closed by the syncer")
+                return
+            self._counters.bytes_received += size
+            decoder.feed(view[:size])
+            try:
+                self._drain(decoder)
+            except ProtocolError as exc:
+                self._violation = exc
+                self._end(f"{name}: {exc}")
+                return
+            await anyio.lowlevel.checkpoint()
+
+    def _drain(self, decoder: FrameDecoder) -> None:
+        while True:
+            frame = decoder.next_frame()
+            if isinstance(frame, DecoderState):
+                return
+            self.received_any = True
+            if isinstance(frame, Chunk):
+                inner = self._reassembler.add(frame)
+                if inner is None:
+                    continue
+                frame = inner
+            self._deliver(frame)
+
+    async def _write_loop(self, stream: _Stream) -> None:
+        sock, queue = stream.sock, stream.queue
+        while True:
+            while not queue:
+                if self._draining:
+                    if not any(s.queue for s in self._streams):
+                        self._end(self._reason)
+                    return
+                stream.ready = anyio.Event()
+                await stream.ready.wait()
+            try:
+                await self._write_frame(sock, queue[0])
+            except OSError as exc:
+                self._end(f"send failed on stream {stream.index}: {exc.strerror or exc}")
+                return
+            except GroupBroken as exc:
+                self._end(str(exc))
+                return
+            if queue:
+                queue.popleft()
+
+    async def _write_frame(self, sock: socket.socket, frame: Buffers) -> None:
+        views = [memoryview(b).cast("B") for b in frame if len(b)]
+        start = 0
+        while start < len(views):
+            try:
+                sent = sock.sendmsg(views[start : start + IOV_BATCH])
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            if not sent:
+                with anyio.move_on_after(self._stall_timeout) as waited:
+                    await anyio.wait_writable(sock)
+                if waited.cancelled_caught:
+                    raise GroupBroken(f"the syncer accepted no byte for {self._stall_timeout:g} s")
+                continue
+            self._counters.bytes_sent += sent
+            while sent:
+                head = views[start]
+                if sent >= len(head):
+                    sent -= len(head)
+                    start += 1
+                else:
+                    views[start] = head[sent:]
+                    sent = 0
