@@ -1,0 +1,219 @@
+"""``yeto bench``: the benchmark closure end to end, its tape check, and a learner that leaves.
+
+The end-to-end runs train the tiny model with two torch learners (threads) against two real
+``yeto-sync`` processes on 127.0.0.1: budget, cutoff, restart, F consolidation rounds, the tape
+check and the safetensors export, for f32 and q4.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from yeto_learn import cli
+from yeto_learn.bench_closure import (
+    CHECKPOINT_FILE,
+    CONSOLIDATION_TAPE,
+    CUTOFF_TAPE,
+    EXPORT_FILE,
+    BenchConfig,
+    ClosureFailed,
+    check_consolidation_tape,
+    run_closure,
+)
+from yeto_proto.checkpoint import marker_path, marker_state, read_checkpoint
+
+pytest.importorskip("torch")
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+
+# -- the tape check --------------------------------------------------------------------------------
+def merge_line(step: int, fragment: int, ids: list[int]) -> dict[str, Any]:
+    return {
+        "step": step,
+        "fragment": fragment,
+        "responded_members": [{"id": i, "generation": 7 + i} for i in ids],
+        "responders": [{"id": i, "generation": 7 + i, "c_steps": 5} for i in ids],
+    }
+
+
+def write_tape(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def test_tape_check_accepts_every_learner_in_every_round(tmp_path: Path) -> None:
+    records = [
+        {"event": "push_rejected", "step": 11},
+        merge_line(11, 2, [0, 1, 2]),
+        merge_line(12, 0, [0, 1, 2]),
+        merge_line(13, 1, [0, 1, 2]),
+        {"event": "final_cut", "step": 13},
+    ]
+    check = check_consolidation_tape(
+        write_tape(tmp_path / "t", records), cutoff_step=10, fragments=3, learners=3
+    )
+    assert check.ok and check.rounds == 3
+    assert "11..13" in check.detail
+
+
+@pytest.mark.parametrize(
+    ("records", "complaint"),
+    [
+        ([merge_line(11, 0, [0, 1]), merge_line(12, 1, [0])], "round 12: learners [1] missing"),
+        ([merge_line(11, 0, [0, 1])], "round 12: 0 merge lines"),
+        (
+            [merge_line(11, 0, [0, 1]), merge_line(11, 0, [0, 1]), merge_line(12, 1, [0, 1])],
+            "round 11: 2 merge lines",
+        ),
+        ([merge_line(11, 0, [0, 1]), merge_line(12, 0, [0, 1])], "fragments [1] not"),
+    ],
+    ids=["learner-missing", "round-missing", "round-twice", "fragment-twice"],
+)
+def test_tape_check_refuses_an_incomplete_consolidation(
+    tmp_path: Path, records: list[dict[str, Any]], complaint: str
+) -> None:
+    check = check_consolidation_tape(
+        write_tape(tmp_path / "t", records), cutoff_step=10, fragments=2, learners=2
+    )
+    assert not check.ok
+    assert complaint in check.detail
+
+
+def test_tape_check_refuses_an_unreadable_tape(tmp_path: Path) -> None:
+    (tmp_path / "t").write_text("{not json\n", encoding="utf-8")
+    check = check_consolidation_tape(tmp_path / "t", cutoff_step=0, fragments=1, learners=1)
+    assert not check.ok and "cannot read" in check.detail
+    missing = check_consolidation_tape(tmp_path / "absent", cutoff_step=0, fragments=1, learners=1)
+    assert not missing.ok
+
+
+# -- the closure end to end ------------------------------------------------------------------------
+def assert_exported_matches_checkpoint(out: Path, final_step: int) -> None:
+    checkpoint = read_checkpoint(out / CHECKPOINT_FILE)
+    assert checkpoint.global_step == final_step
+    tensors = safetensors_numpy.load_file(str(out / EXPORT_FILE))
+    layout = json.loads((out / "layout.json").read_text(encoding="utf-8"))
+    assert layout  # written next to the export
+    flat = np.concatenate([f.params for f in checkpoint.fragments])
+    exported = np.concatenate([t.reshape(-1) for t in tensors.values()])
+    assert exported.size == flat.size
+    assert np.array_equal(np.sort(exported), np.sort(flat))  # same values, named and shaped
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q4"])
+def test_bench_runs_the_closure_and_exports(tmp_path: Path, dtype: str) -> None:
+    out = tmp_path / "bench"
+    lines: list[str] = []
+    config = BenchConfig(
+        out=out,
+        learners=2,
+        fragments=3,
+        wire_dtype=dtype,
+        budget=40,
+        batch_size=16,
+        training_timeout=120.0,
+        consolidation_timeout=60.0,
+    )
+
+    result = run_closure(config, say=lines.append)
+
+    assert result.budget == 40 and result.fragments == 3
+    assert result.final_step == result.cutoff_step + 3
+    assert result.tape.ok and result.tape.rounds == 3
+    assert marker_state(out / CHECKPOINT_FILE, result.final_step).is_final
+    assert_exported_matches_checkpoint(out, result.final_step)
+    assert np.isfinite(result.eval_loss_final)
+    # The cutoff process: reports from both learners, cancelled rounds, one cutoff line.
+    cutoff = [json.loads(x) for x in (out / CUTOFF_TAPE).read_text().splitlines()]
+    reports = [r for r in cutoff if r.get("event") == "budget_done"]
+    assert sorted(r["id"] for r in reports) == [0, 1]
+    assert all(r["exact_local_steps"] == 40 for r in reports)
+    (summary,) = [r for r in cutoff if r.get("event") == "budget_cutoff"]
+    assert summary["complete"] and summary["step"] == result.cutoff_step
+    committed = [r["step"] for r in cutoff if "event" not in r]
+    assert committed == list(range(1, result.cutoff_step + 1))  # a contiguous prefix
+    # The consolidation process: frozen pushes carry the budget and every token.
+    merges = [
+        json.loads(x)
+        for x in (out / CONSOLIDATION_TAPE).read_text().splitlines()
+        if '"event"' not in x
+    ]
+    assert [m["step"] for m in merges] == [result.cutoff_step + i for i in (1, 2, 3)]
+    for merge in merges:
+        assert [(r["id"], r["c_steps"], r["c_tokens"]) for r in merge["responders"]] == [
+            (0, 40, 40 * 16),
+            (1, 40, 40 * 16),
+        ]
+    assert any("tape check : ok" in line for line in lines)
+    assert any(str(out / EXPORT_FILE) in line for line in lines)
+
+
+def test_bench_command_prints_budget_c_f_tape_and_export(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "cli"
+    code = cli.main(
+        ["bench", "--out", str(out), "--budget", "30", "--fragments", "2", "--batch-size", "8"]
+    )
+    printed = capsys.readouterr().out
+
+    assert code == 0, printed
+    last = printed.strip().splitlines()[-1]
+    final = read_checkpoint(out / CHECKPOINT_FILE).global_step
+    assert "budget B=30" in last and f"C={final - 2}" in last and "F=2" in last
+    assert "tape check ok" in last and str(out / EXPORT_FILE) in last
+
+
+def test_a_learner_that_misses_the_restart_fails_the_closure(tmp_path: Path) -> None:
+    out = tmp_path / "missed"
+    config = BenchConfig(
+        out=out,
+        learners=2,
+        fragments=2,
+        budget=20,
+        batch_size=8,
+        training_timeout=120.0,
+        consolidation_timeout=6.0,
+        miss_restart=frozenset({1}),
+    )
+
+    with pytest.raises(ClosureFailed, match="consolidation"):
+        run_closure(config, say=lambda line: None)
+
+    assert not (out / EXPORT_FILE).exists()
+    assert not marker_path(out / CHECKPOINT_FILE).exists()
+    cutoff_step = read_checkpoint(out / CHECKPOINT_FILE).global_step  # the recovery state
+    assert not marker_state(out / CHECKPOINT_FILE, cutoff_step).is_final
+
+
+def test_bench_command_exits_nonzero_when_the_closure_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "occupied"
+    out.mkdir()
+    (out / CHECKPOINT_FILE).write_bytes(b"not ours")
+
+    assert cli.main(["bench", "--out", str(out)]) == 1
+    assert "nothing exported" in capsys.readouterr().err
+    assert cli.main(["bench", "--out", str(out), "--budget", "0"]) == 2
+
+
+def test_learner_budget_must_fit_c_steps() -> None:
+    import torch
+
+    from yeto_learn import Learner
+
+    for budget in (0, 1 << 32):
+        with pytest.raises(ValueError, match="budget_steps"):
+            Learner(
+                torch.nn.Linear(2, 2),
+                syncer="127.0.0.1:9",
+                learner_id=0,
+                num_learners=1,
+                budget_steps=budget,
+            )
