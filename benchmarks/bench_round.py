@@ -1,0 +1,1174 @@
+"""One syncer round on loopback: ``yeto-sync`` against plain sockets, gloo and torchft.
+
+    python benchmarks/bench_round.py                   # everything, about 10 minutes on 2 cores
+    python benchmarks/bench_round.py --part rounds --learners 2 --streams 2 --dtypes f32
+    python benchmarks/bench_round.py --part scale --scale-learners 4,8
+    python benchmarks/bench_round.py --part rounds --profile /tmp/prof   # daemon under cProfile
+
+Parts (``--part``, comma separated; default all):
+
+- ``rounds``: the real daemon (``python -m yeto_sync``) and M learner processes on 127.0.0.1, one
+  fragment of 4096×4096 f32 values (``--numel``), pipeline 1, quorum M, delta correction none.
+  For each M (``--learners``), S (``--streams``) and dtype (``--dtypes``) it reports the median
+  round latency — from the first learner's receipt of PULL_REQ to the last learner's receipt of
+  the complete BCAST (``time.monotonic`` is one clock for every process on Linux); a learner
+  answers round t only once it also holds BCAST t − 1 (a PULL on stream 0 may overtake a
+  striped BCAST), and round t starts for it at that moment, so each delta is fresh and rounds
+  do not overlap — the bytes
+  through the syncer per round as counted on the learners' sockets, and the daemon's peak RSS
+  (``VmHWM`` of ``/proc/<pid>/status``, read after the final cut, before the FINAL_ACKs).
+  Learners pre-compute their f32 delta, encode it in the session dtype when pulled (q4 and bf16
+  encoding are part of the round) and do not decode BCASTs (no learner compute is timed).
+  Beside them, in the same run: (a) plain blocking Python sockets moving the same bytes (M
+  clients send the push bytes to one server — a thread per client, ``recv_into`` preallocated
+  buffers — which then ``sendall``\\ s the bcast bytes back), (b) ``torch.distributed`` gloo
+  ``all_reduce`` of the same tensor and world size, (c) torchft 0.2 DiLoCo outer sync of a
+  4096×4096 ``nn.Linear`` with M replicas (if torchft imports), and the merge time
+  (``merge_round`` of M responses, in this process).
+- ``throttled``: the dtype comparison again on an emulated 1 Gbit/s link (``--rate-gbit``): a
+  token bucket (64 KiB burst) in every learner's socket layer, per learner and per direction,
+  in front of both the yeto learners and the plain-socket clients.
+- ``scale``: F = 8 fragments of 1M f32 values, 64 rounds, M = 4, 8, 16, 32 learners (threads in
+  four host processes), pipeline 2; the syncer's CPU time (utime + stime of the daemon) and wall
+  time per round over rounds 9..56, and per learner.
+
+Targets: f32, M = 2, S = 2: round ≤ 1.5 × (a) + merge time, and ≤ 0.7 × (c); q4 rounds ≥ 3×
+faster than f32 on the emulated link; daemon peak RSS ≤ 200 MiB + (K + 4) × fragment bytes;
+syncer time per round at most linear in M (CPU per learner per round at M = 32 ≤ 1.2× that at
+M = 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import io
+import multiprocessing
+import os
+import platform
+import pstats
+import queue
+import selectors
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from yeto_proto import (  # noqa: E402
+    AnyMessage,
+    BcastFragment,
+    Chunk,
+    ChunkSlicer,
+    DataHello,
+    DecoderState,
+    ErrorMessage,
+    FinalAck,
+    FinalFragment,
+    FinalManifest,
+    FrameDecoder,
+    Hello,
+    InitParams,
+    Limits,
+    MergeMode,
+    PullReq,
+    PushFragment,
+    Reassembler,
+    Role,
+    Shutdown,
+    WireDtype,
+    WireFragment,
+    WireLayout,
+    encode,
+    encode_tensor,
+    tensor_nbytes,
+)
+from yeto_proto.constants import STRIPED_TYPES  # noqa: E402
+
+F32Array = NDArray[np.float32]
+MIB = 1 << 20
+SPAWN = multiprocessing.get_context("spawn")
+DTYPES = {"f32": WireDtype.F32, "bf16": WireDtype.BF16, "q4": WireDtype.Q4}
+RECV_BUFFER = 4 * MIB
+DIRECT_READ_MIN = 64 << 10
+THROTTLE_SLICE = 64 << 10
+TIMEOUT_S = 300.0
+FINGERPRINT = bytes(range(32))
+CONTRACT = bytes(range(64, 96))
+RSS_BASE_MIB = 200
+SCALE_FRAGMENTS = 8
+SCALE_NUMEL = 1 << 20
+SCALE_WINDOW = (8, 56)  # syncer time is measured from round 9 through round 56
+
+
+# -- an emulated link ---------------------------------------------------------------------------
+class TokenBucket:
+    """``rate`` bytes per second with a ``burst``-byte bucket; spending past it sleeps."""
+
+    def __init__(self, rate: float, burst: int = THROTTLE_SLICE) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.level = float(burst)
+        self.stamp = time.monotonic()
+
+    def spend(self, size: int) -> None:
+        now = time.monotonic()
+        self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+        self.level -= size
+        if self.level < 0:
+            time.sleep(-self.level / self.rate)
+
+
+@dataclass
+class Link:
+    """A learner's socket layer: optional up and down buckets, and byte counters."""
+
+    rate: float | None = None
+    sent: int = 0
+    received: int = 0
+
+    def __post_init__(self) -> None:
+        self.up = TokenBucket(self.rate) if self.rate else None
+        self.down = TokenBucket(self.rate) if self.rate else None
+
+    def send(self, sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> int:
+        total = 0
+        for buffer in buffers:
+            view = memoryview(buffer).cast("B")
+            if self.up is None:
+                sock.sendall(view)
+            else:
+                for start in range(0, len(view), THROTTLE_SLICE):
+                    piece = view[start : start + THROTTLE_SLICE]
+                    self.up.spend(len(piece))
+                    sock.sendall(piece)
+            total += len(view)
+        self.sent += total
+        return total
+
+    def recv_into(self, sock: socket.socket, target: memoryview) -> int:
+        if self.down is not None:
+            target = target[:THROTTLE_SLICE]
+        size = sock.recv_into(target)
+        if self.down is not None and size:
+            self.down.spend(size)
+        self.received += size
+        return size
+
+    def recv_exactly(self, sock: socket.socket, target: memoryview) -> None:
+        got = 0
+        while got < len(target):
+            size = self.recv_into(sock, target[got:])
+            if not size:
+                raise ConnectionError("peer closed")
+            got += size
+
+
+# -- a benchmark learner ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LearnerPlan:
+    port: int
+    learner_id: int
+    dtype: int
+    numels: tuple[int, ...]
+    num_streams: int
+    rate: float | None = None
+    #: Report the receipt time of BCASTs of these versions to ``progress`` (scale run).
+    watch_versions: tuple[int, ...] = ()
+
+    @property
+    def layout(self) -> WireLayout:
+        return WireLayout(tuple(WireFragment(MergeMode.AVG, (n,)) for n in self.numels))
+
+
+@dataclass
+class LearnerReport:
+    learner_id: int
+    #: When the learner could answer round t: it held PULL t and the BCAST round t was
+    #: launched against (a PULL on stream 0 may overtake a striped BCAST).
+    pulls: dict[int, float] = field(default_factory=dict)
+    bcasts: dict[int, float] = field(default_factory=dict)
+    push_bytes: dict[int, int] = field(default_factory=dict)
+    #: When the learner's last PUSH byte went into its socket, by global step.
+    pushed: dict[int, float] = field(default_factory=dict)
+    #: Bytes read from the syncer since the previous BCAST, by BCAST version.
+    bytes_in: dict[int, int] = field(default_factory=dict)
+
+
+class BenchLearner:
+    """A v4 learner on blocking sockets that answers every PULL with a fixed, encoded delta.
+
+    Receives read straight into the decoder's payload buffer when inside a large frame (as the
+    syncer does), so the learner side is not what the round waits for.
+    """
+
+    def __init__(
+        self,
+        plan: LearnerPlan,
+        *,
+        before_ack: Callable[[], None] = lambda: None,
+        progress: Callable[[int, int, float], None] = lambda learner, version, at: None,
+    ) -> None:
+        self.plan = plan
+        self.dtype = WireDtype(plan.dtype)
+        self.layout = plan.layout
+        self.limits = Limits.of(self.dtype, self.layout)
+        self.link = Link(plan.rate)
+        self.before_ack = before_ack
+        self.progress = progress
+        self.report = LearnerReport(plan.learner_id)
+        rng = np.random.default_rng(plan.learner_id + 1)
+        self.deltas = [rng.normal(0.0, 1e-3, n).astype(np.float32) for n in plan.numels]
+        self.encoded = [
+            np.empty(tensor_nbytes(self.dtype, n, push=True), np.uint8) for n in plan.numels
+        ]
+        self.sockets: list[socket.socket] = []
+        self.decoders: dict[socket.socket, FrameDecoder] = {}
+        self.reassembler = Reassembler(Role.LEARNER, self.limits)
+        self.slicer = ChunkSlicer(plan.num_streams) if plan.num_streams else None
+        self.selector = selectors.DefaultSelector()
+        self.buffer = bytearray(RECV_BUFFER)
+        self.view = memoryview(self.buffer)
+        self.inbox: list[AnyMessage] = []
+        self.anchors: dict[int, int] = {}
+        self.deferred: dict[int, PullReq] = {}
+        self.finals: dict[int, int] = {}
+        self.manifest: FinalManifest | None = None
+        self.acked = False
+        self.open_sockets = 0
+        self.bytes_mark = 0
+
+    # -- wire --------------------------------------------------------------------------------
+    def connect(self) -> None:
+        hello = Hello(
+            learner_id=self.plan.learner_id,
+            generation=1,
+            dtype=self.dtype,
+            layout=self.layout,
+            layout_fingerprint=FINGERPRINT,
+            session_contract=CONTRACT,
+            num_streams=self.plan.num_streams,
+        )
+        self._add_socket().sendall(b"".join(encode(hello)))
+        for stream_idx in range(self.plan.num_streams):
+            data_hello = DataHello(self.plan.learner_id, 1, stream_idx)
+            self._add_socket().sendall(b"".join(encode(data_hello)))
+
+    def _add_socket(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.plan.port), timeout=TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sockets.append(sock)
+        self.decoders[sock] = FrameDecoder(Role.LEARNER, limits=self.limits)
+        self.selector.register(sock, selectors.EVENT_READ)
+        self.open_sockets += 1
+        return sock
+
+    def close(self) -> None:
+        self.selector.close()
+        for sock in self.sockets:
+            sock.close()
+
+    def send(self, message: AnyMessage) -> int:
+        frame = encode(message)
+        if self.slicer is None or message.TYPE not in STRIPED_TYPES:
+            return self.link.send(self.sockets[0], frame)
+        return sum(
+            self.link.send(self.sockets[1 + chunk.stream_idx], chunk.buffers)
+            for chunk in self.slicer.slice(frame)
+        )
+
+    def receive(self, deadline: float) -> AnyMessage:
+        while not self.inbox:
+            if not self.open_sockets:
+                raise ConnectionError(f"learner {self.plan.learner_id}: syncer closed")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"learner {self.plan.learner_id}: nothing in time")
+            for key, _ in self.selector.select(left):
+                self._read(key.fileobj)  # type: ignore[arg-type]
+        return self.inbox.pop(0)
+
+    def _read(self, sock: socket.socket) -> None:
+        decoder = self.decoders[sock]
+        target = decoder.writable()
+        try:
+            if target is not None and len(target) >= DIRECT_READ_MIN:
+                size = self.link.recv_into(sock, target)
+                if size:
+                    decoder.wrote(size)
+            else:
+                size = self.link.recv_into(sock, self.view)
+                decoder.feed(self.view[:size])
+        except ConnectionResetError:
+            size = 0
+            decoder.feed(b"")
+        if not size:
+            self.selector.unregister(sock)
+            self.open_sockets -= 1
+        while not isinstance(frame := decoder.next_frame(), DecoderState):
+            if isinstance(frame, Chunk):
+                inner = self.reassembler.add(frame)
+                if inner is not None:
+                    self.inbox.append(inner)
+            else:
+                self.inbox.append(frame)
+
+    # -- protocol ----------------------------------------------------------------------------
+    def run(self, timeout: float = TIMEOUT_S) -> LearnerReport:
+        deadline = time.monotonic() + timeout
+        self.connect()
+        try:
+            if self.plan.learner_id == 0:
+                init_rng = np.random.default_rng(0)
+                for fragment, numel in enumerate(self.plan.numels):
+                    values = init_rng.normal(0.0, 0.02, numel).astype(np.float32)
+                    data = encode_tensor(values, self.dtype, push=False)
+                    self.send(InitParams(fragment, data.data))
+            while True:
+                message = self.receive(deadline)
+                if isinstance(message, Shutdown):
+                    return self.report
+                self._handle(message)
+        finally:
+            self.close()
+
+    def _handle(self, message: AnyMessage) -> None:
+        now = time.monotonic()
+        match message:
+            case PullReq():
+                self.deferred[message.fragment_id] = message
+                self._answer_ready(now)
+            case BcastFragment():
+                self.report.bcasts[message.version] = now
+                received = self.link.received
+                self.report.bytes_in[message.version] = received - self.bytes_mark
+                self.bytes_mark = received
+                if message.version in self.plan.watch_versions:
+                    self.progress(self.plan.learner_id, message.version, now)
+                held = self.anchors.get(message.fragment_id, -1)
+                self.anchors[message.fragment_id] = max(held, message.version)
+                self._answer_ready(now)
+            case FinalFragment():
+                self.finals[message.fragment_id] = message.version
+                self._maybe_ack()
+            case FinalManifest():
+                self.manifest = message
+                self._maybe_ack()
+            case ErrorMessage():
+                raise RuntimeError(f"syncer ERROR: {message.text}")
+            case _:
+                raise RuntimeError(f"unexpected {type(message).__name__}")
+
+    def _answer_ready(self, now: float) -> None:
+        """Answer each deferred PULL whose launch version is here: every delta is fresh."""
+        fragments = len(self.plan.numels)
+        for fragment, pull in list(self.deferred.items()):
+            launched_against = max(pull.global_step - fragments, 0)
+            if self.anchors.get(fragment, -1) >= launched_against:
+                del self.deferred[fragment]
+                self.report.pulls[pull.global_step] = now
+                self._push(pull)
+
+    def _push(self, pull: PullReq) -> None:
+        fragment = pull.fragment_id
+        payload = encode_tensor(
+            self.deltas[fragment], self.dtype, push=True, out=self.encoded[fragment]
+        )
+        push = PushFragment(
+            learner_id=self.plan.learner_id,
+            fragment_id=fragment,
+            global_step=pull.global_step,
+            round_attempt=pull.round_attempt,
+            base_version=0,
+            local_step=pull.global_step,
+            c_steps=1,
+            c_tokens=1000,
+            data=payload.data,
+        )
+        self.report.push_bytes[pull.global_step] = self.send(push)
+        self.report.pushed[pull.global_step] = time.monotonic()
+
+    def _maybe_ack(self) -> None:
+        manifest = self.manifest
+        if manifest is None or self.acked:
+            return
+        if any(
+            self.finals.get(f) != version for f, version in enumerate(manifest.expected_versions)
+        ):
+            return
+        self.before_ack()
+        self.send(FinalAck(manifest.final_global_step))
+        self.acked = True
+
+
+def learner_process(plan: LearnerPlan, pipe: Connection) -> None:
+    """One learner in its own process; the parent reads the daemon's RSS before the ACK."""
+
+    def before_ack() -> None:
+        pipe.send(("final", None))
+        pipe.recv()
+
+    try:
+        report = BenchLearner(plan, before_ack=before_ack).run()
+        pipe.send(("done", report))
+    except Exception as exc:
+        pipe.send(("error", f"learner {plan.learner_id}: {exc!r}"))
+
+
+def learner_host_process(
+    plans: list[LearnerPlan], progress: Any, results: Any
+) -> None:  # Any: multiprocessing queues
+    """Several learners as threads of one process (the scale run)."""
+    errors: list[str] = []
+
+    def play(plan: LearnerPlan) -> None:
+        try:
+            BenchLearner(
+                plan, progress=lambda learner, version, at: progress.put((learner, version, at))
+            ).run()
+        except Exception as exc:
+            errors.append(f"learner {plan.learner_id}: {exc!r}")
+
+    threads = [threading.Thread(target=play, args=(plan,)) for plan in plans]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT_S)
+    results.put(errors or None)
+
+
+# -- the daemon -------------------------------------------------------------------------------
+class Daemon:
+    """``python -m yeto_sync`` on 127.0.0.1:0 (optionally under cProfile), stderr to a file."""
+
+    def __init__(self, flags: Sequence[str], workdir: Path, *, profile: Path | None) -> None:
+        runner = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
+        self.log_path = workdir / "syncer.log"
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        with open(self.log_path, "w", encoding="utf-8") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, *runner, "-m", "yeto_sync", "--host", "127.0.0.1", "--port", "0"]
+                + list(flags),
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                cwd=ROOT,
+                env=env,
+            )
+        lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        stdout = self.proc.stdout
+        assert stdout is not None
+        threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
+        try:
+            line = lines.get(timeout=60)
+        except queue.Empty:
+            self.kill()
+            raise RuntimeError(f"yeto-sync did not start:\n{self.log_tail()}") from None
+        prefix = "yeto-sync listening on 127.0.0.1:"
+        if not line.startswith(prefix):
+            self.kill()
+            raise RuntimeError(f"bad ready line {line!r}:\n{self.log_tail()}")
+        self.port = int(line.strip().removeprefix(prefix))
+
+    def status_kib(self, field_name: str) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+        raise RuntimeError(f"no {field_name} in /proc/{self.proc.pid}/status")
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    def log_tail(self, lines: int = 8) -> str:
+        return "\n".join(self.log_path.read_text(encoding="utf-8").splitlines()[-lines:])
+
+    def wait(self, timeout: float = 60) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def daemon_flags(learners: int, total_steps: int, *, pipeline: int) -> list[str]:
+    return [
+        f"--learners={learners}",
+        f"--quorum={learners}",
+        f"--total-steps={total_steps}",
+        f"--pipeline={pipeline}",
+        "--sync-interval-steps=0",
+        "--delta-correction=none",
+        "--quorum-timeout-s=300",
+        "--final-ack-timeout-s=300",
+    ]
+
+
+def print_profile(path: Path, title: str) -> None:
+    out = io.StringIO()
+    stats = pstats.Stats(str(path), stream=out)
+    stats.sort_stats("tottime").print_stats(14)
+    print(f"\n### cProfile of the daemon, {title} (by own time)\n")
+    print("```")
+    body = out.getvalue()
+    print(body[body.find("ncalls") - 3 :].rstrip() if "ncalls" in body else body.rstrip())
+    print("```")
+
+
+# -- one yeto case ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RoundResult:
+    latency_s: float
+    latencies: list[float]
+    #: Median first PULL receipt → last PUSH written (pull, encode, upload).
+    push_s: float
+    bytes_in: int  # learners → syncer, per round
+    bytes_out: int  # syncer → learners, per round
+    peak_rss_mib: float
+
+
+def run_yeto(
+    learners: int,
+    streams: int,
+    dtype: WireDtype,
+    numel: int,
+    rounds: int,
+    *,
+    rate: float | None,
+    profile: Path | None,
+) -> RoundResult:
+    warmup = 1
+    total = warmup + rounds
+    with tempfile.TemporaryDirectory(prefix="bench-round-") as tmp:
+        daemon = Daemon(daemon_flags(learners, total, pipeline=1), Path(tmp), profile=profile)
+        pipes: list[Connection] = []
+        processes = []
+        try:
+            for learner_id in range(learners):
+                parent, child = SPAWN.Pipe()
+                plan = LearnerPlan(daemon.port, learner_id, dtype.value, (numel,), streams, rate)
+                process = SPAWN.Process(target=learner_process, args=(plan, child), daemon=True)
+                process.start()
+                pipes.append(parent)
+                processes.append(process)
+            for pipe in pipes:
+                expect(pipe, "final", daemon)
+            peak_kib = daemon.status_kib("VmHWM")
+            for pipe in pipes:
+                pipe.send("ack")
+            reports: list[LearnerReport] = [expect(pipe, "done", daemon) for pipe in pipes]
+            code = daemon.wait()
+            if code != 0:
+                raise RuntimeError(f"yeto-sync exited {code}:\n{daemon.log_tail()}")
+        finally:
+            daemon.kill()
+            for process in processes:
+                process.join(10)
+                if process.is_alive():
+                    process.kill()
+    if profile is not None:
+        print_profile(profile, f"M={learners} S={streams} {dtype.name.lower()}")
+    steps = range(warmup + 1, total + 1)
+    latencies = [
+        max(r.bcasts[t] for r in reports) - min(r.pulls[t] for r in reports) for t in steps
+    ]
+    push_phase = [
+        max(r.pushed[t] for r in reports) - min(r.pulls[t] for r in reports) for t in steps
+    ]
+    bytes_in = sum(statistics.median(r.push_bytes[t] for t in steps) for r in reports)
+    bytes_out = sum(statistics.median(r.bytes_in[t] for t in steps) for r in reports)
+    return RoundResult(
+        statistics.median(latencies),
+        latencies,
+        statistics.median(push_phase),
+        int(bytes_in),
+        int(bytes_out),
+        peak_kib / 1024,
+    )
+
+
+def expect(pipe: Connection, kind: str, daemon: Daemon) -> Any:
+    if not pipe.poll(TIMEOUT_S):
+        raise RuntimeError(f"no {kind!r} from a learner in {TIMEOUT_S} s:\n{daemon.log_tail()}")
+    got, value = pipe.recv()
+    if got != kind:
+        raise RuntimeError(f"learner sent {got}: {value}\n{daemon.log_tail()}")
+    return value
+
+
+# -- (a) plain blocking sockets -----------------------------------------------------------------
+def plain_server_process(
+    pipe: Connection, learners: int, push_bytes: int, bcast_bytes: int, rounds: int
+) -> None:
+    """Accept M clients; per round: go byte, receive every push, then send every bcast."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        pipe.send(server.getsockname()[1])
+        clients = [server.accept()[0] for _ in range(learners)]
+    pushed = threading.Barrier(learners)
+    start = threading.Barrier(learners)
+    bcast = np.ones(bcast_bytes, np.uint8)
+
+    def serve(sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        inbound = np.empty(push_bytes, np.uint8).data.cast("B")
+        link = Link()
+        for _ in range(rounds):
+            start.wait()
+            sock.sendall(b"g")
+            link.recv_exactly(sock, inbound)
+            pushed.wait()  # the merge point: every push is in
+            sock.sendall(bcast.data)
+
+    threads = [threading.Thread(target=serve, args=(sock,)) for sock in clients]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT_S)
+    for sock in clients:
+        sock.close()
+
+
+def plain_client_process(
+    pipe: Connection, port: int, push_bytes: int, bcast_bytes: int, rounds: int, rate: float | None
+) -> None:
+    link = Link(rate)
+    push = np.full(push_bytes, 7, np.uint8)
+    inbound = np.empty(bcast_bytes, np.uint8).data.cast("B")
+    go = bytearray(1)
+    times: list[tuple[float, float]] = []
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(rounds):
+            link.recv_exactly(sock, memoryview(go))
+            started = time.monotonic()
+            link.send(sock, [push.data])
+            link.recv_exactly(sock, inbound)
+            times.append((started, time.monotonic()))
+    pipe.send(times)
+
+
+def run_plain(
+    learners: int, push_bytes: int, bcast_bytes: int, rounds: int, rate: float | None
+) -> float:
+    total = rounds + 1
+    server_pipe, server_child = SPAWN.Pipe()
+    server = SPAWN.Process(
+        target=plain_server_process,
+        args=(server_child, learners, push_bytes, bcast_bytes, total),
+        daemon=True,
+    )
+    server.start()
+    port = server_pipe.recv()
+    pipes, clients = [], []
+    for _ in range(learners):
+        parent, child = SPAWN.Pipe()
+        client = SPAWN.Process(
+            target=plain_client_process,
+            args=(child, port, push_bytes, bcast_bytes, total, rate),
+            daemon=True,
+        )
+        client.start()
+        pipes.append(parent)
+        clients.append(client)
+    per_client: list[list[tuple[float, float]]] = []
+    for pipe in pipes:
+        if not pipe.poll(TIMEOUT_S):
+            raise RuntimeError("plain-socket client did not finish")
+        per_client.append(pipe.recv())
+    for process in [server, *clients]:
+        process.join(10)
+    latencies = [
+        max(times[r][1] for times in per_client) - min(times[r][0] for times in per_client)
+        for r in range(1, total)
+    ]
+    return statistics.median(latencies)
+
+
+# -- (b) gloo all_reduce ---------------------------------------------------------------------
+def gloo_process(rank: int, world: int, port: int, numel: int, iters: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    tensor = torch.ones(numel, dtype=torch.float32)
+    dist.all_reduce(tensor)  # warm-up: connections and buffers
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_reduce(tensor)
+        times.append(time.perf_counter() - started)
+    out.put((rank, times))
+    dist.destroy_process_group()
+
+
+def run_gloo(world: int, numel: int, iters: int) -> float:
+    out = SPAWN.Queue()
+    port = free_port()
+    processes = [
+        SPAWN.Process(target=gloo_process, args=(rank, world, port, numel, iters, out))
+        for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    results = [out.get(timeout=TIMEOUT_S)[1] for _ in processes]
+    for process in processes:
+        process.join(30)
+    return float(statistics.median(max(r[i] for r in results) for i in range(iters)))
+
+
+# -- (c) torchft DiLoCo ------------------------------------------------------------------------
+def torchft_installed() -> bool:
+    try:
+        importlib.import_module("torchft")
+    except Exception:  # any import failure means "not usable here"
+        return False
+    return True
+
+
+def torchft_process(replica: int, replicas: int, lighthouse: str, rounds: int, out: Any) -> None:
+    """One replica: DiLoCo over a 4096×4096 Linear, an outer sync after every inner step."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    # torchft ships no type information: its modules are loaded by name (attributes are Any).
+    local_sgd = importlib.import_module("torchft.local_sgd")
+    manager_module = importlib.import_module("torchft.manager")
+    process_group = importlib.import_module("torchft.process_group")
+
+    _quiet_stderr()  # torchft logs every quorum and checkpoint fetch
+    torch.set_num_threads(1)
+    store_port = free_port()
+    store = dist.TCPStore("127.0.0.1", store_port, 1, True)  # type: ignore[attr-defined]
+    model = torch.nn.Linear(4096, 4096)
+    manager = manager_module.Manager(
+        pg=process_group.ProcessGroupGloo(),
+        load_state_dict=model.load_state_dict,
+        state_dict=model.state_dict,
+        min_replica_size=replicas,
+        use_async_quorum=False,
+        replica_id=f"bench-{replica}",
+        store_addr="127.0.0.1",
+        store_port=store_port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        timeout=timedelta(seconds=120),
+        quorum_timeout=timedelta(seconds=120),
+    )
+    inner = torch.optim.SGD(model.parameters(), lr=0.01)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    inner_only: list[float] = []
+    times: list[float] = []
+    with local_sgd.DiLoCo(manager, [model], inner, outer, sync_every=1):
+        for _ in range(rounds):
+            for param in model.parameters():
+                param.grad = torch.full_like(param, 1e-3 * (replica + 1))
+            started = time.perf_counter()
+            inner.step()  # the inner step, then (sync_every=1) the outer sync in its hook
+            times.append(time.perf_counter() - started)
+    plain = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        for param in model.parameters():
+            param.grad = torch.full_like(param, 1e-3)
+        started = time.perf_counter()
+        plain.step()
+        inner_only.append(time.perf_counter() - started)
+    out.put((replica, times, statistics.median(inner_only)))
+    manager.shutdown(wait=False)
+    del store
+    _torchft_log().unlink(missing_ok=True)  # kept only when the replica failed
+
+
+def _torchft_log() -> Path:
+    return Path(tempfile.gettempdir()) / f"bench-round-torchft-{os.getpid()}.log"
+
+
+def _quiet_stderr() -> None:
+    """Send this process's stderr (fd 2, Rust logs included) to a file in the temp dir."""
+    fd = os.open(_torchft_log(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def lighthouse_process(replicas: int, address: Any, stop: Any) -> None:
+    """torchft's lighthouse, in its own process so that its log stays out of the tables."""
+    coordination = importlib.import_module("torchft.coordination")
+    _quiet_stderr()
+    lighthouse = coordination.LighthouseServer(bind="[::]:0", min_replicas=replicas)
+    address.put(lighthouse.address())
+    stop.wait(TIMEOUT_S)
+    lighthouse.shutdown()
+    _torchft_log().unlink(missing_ok=True)
+
+
+def run_torchft(replicas: int, rounds: int) -> tuple[float, float]:
+    """Median outer-sync time (max over replicas) and one inner SGD step, both in seconds."""
+    warmup = 2  # the first sync also fetches the initial state (init_sync)
+    address, stop, out = SPAWN.Queue(), SPAWN.Event(), SPAWN.Queue()
+    lighthouse = SPAWN.Process(target=lighthouse_process, args=(replicas, address, stop))
+    lighthouse.start()
+    processes = []
+    try:
+        lighthouse_address = address.get(timeout=60)
+        processes = [
+            SPAWN.Process(
+                target=torchft_process,
+                args=(r, replicas, lighthouse_address, warmup + rounds, out),
+            )
+            for r in range(replicas)
+        ]
+        for process in processes:
+            process.start()
+        results = [out.get(timeout=TIMEOUT_S) for _ in processes]
+        for process in processes:
+            process.join(60)
+    finally:
+        stop.set()
+        for process in [*processes, lighthouse]:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+    per_round = [max(r[1][i] for r in results) for i in range(warmup, warmup + rounds)]
+    return statistics.median(per_round), statistics.median(r[2] for r in results)
+
+
+# -- merge time ---------------------------------------------------------------------------------
+def measure_merge(learners: int, numel: int, repeats: int = 3) -> float:
+    from yeto_proto.identity import DeltaCorrection
+    from yeto_sync.merge import MergeConfig, Response, merge_round
+
+    rng = np.random.default_rng(5)
+    geometry = WireFragment(MergeMode.AVG, (numel,))
+    responses = [
+        Response(i, 1, 1, 1000, rng.normal(0.0, 1e-3, numel).astype(np.float32))
+        for i in range(learners)
+    ]
+    params = rng.normal(0.0, 0.02, numel).astype(np.float32)
+    momentum = np.zeros(numel, np.float32)
+    config = MergeConfig(delta_correction=DeltaCorrection.NONE)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        merge_round(geometry, responses, params, momentum, {}, config)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+# -- the scale run -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScaleResult:
+    learners: int
+    wall_per_round_s: float
+    cpu_per_round_s: float
+    peak_rss_mib: float
+
+
+def run_scale(learners: int, rounds: int, hosts: int = 4) -> ScaleResult:
+    numels = (SCALE_NUMEL,) * SCALE_FRAGMENTS
+    first, last = SCALE_WINDOW
+    with tempfile.TemporaryDirectory(prefix="bench-round-scale-") as tmp:
+        daemon = Daemon(daemon_flags(learners, rounds, pipeline=2), Path(tmp), profile=None)
+        progress, results = SPAWN.Queue(), SPAWN.Queue()
+        plans = [
+            LearnerPlan(
+                daemon.port, i, WireDtype.F32.value, numels, 0, watch_versions=(first, last)
+            )
+            for i in range(learners)
+        ]
+        processes = [
+            SPAWN.Process(
+                target=learner_host_process,
+                args=(plans[h::hosts], progress, results),
+                daemon=True,
+            )
+            for h in range(min(hosts, learners))
+        ]
+        try:
+            for process in processes:
+                process.start()
+            marks: dict[int, tuple[float, float]] = {}
+            seen: dict[int, int] = {first: 0, last: 0}
+            while len(marks) < 2:
+                _, version, _ = progress.get(timeout=TIMEOUT_S)
+                seen[version] += 1
+                if seen[version] == learners:  # every learner holds this version now
+                    marks[version] = (time.monotonic(), daemon.cpu_seconds())
+                    if version == last:
+                        peak_kib = daemon.status_kib("VmHWM")
+            errors = [results.get(timeout=TIMEOUT_S) for _ in processes]
+            if any(errors):
+                raise RuntimeError(f"{errors}\n{daemon.log_tail()}")
+            code = daemon.wait()
+            if code != 0:
+                raise RuntimeError(f"yeto-sync exited {code}:\n{daemon.log_tail()}")
+        finally:
+            daemon.kill()
+            for process in processes:
+                process.join(10)
+    window = last - first
+    return ScaleResult(
+        learners,
+        (marks[last][0] - marks[first][0]) / window,
+        (marks[last][1] - marks[first][1]) / window,
+        peak_kib / 1024,
+    )
+
+
+# -- helpers and tables -------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wire_sizes(dtype: WireDtype, numel: int) -> tuple[int, int]:
+    """Tensor bytes of one PUSH and one BCAST in ``dtype``."""
+    return tensor_nbytes(dtype, numel, push=True), tensor_nbytes(dtype, numel, push=False)
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.1f}"
+
+
+@dataclass
+class Tables:
+    lines: list[str] = field(default_factory=list)
+
+    def out(self, text: str = "") -> None:
+        print(text, flush=True)
+        self.lines.append(text)
+
+
+def parse_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def rounds_part(args: argparse.Namespace, tables: Tables, throttled: bool) -> dict[str, float]:
+    """The round table, raw loopback or throttled; returns the figures targets need."""
+    learners_list = [int(m) for m in parse_list(args.learners)]
+    streams_list = [int(s) for s in parse_list(args.streams)]
+    dtypes = [DTYPES[d] for d in parse_list(args.dtypes)]
+    rate = args.rate_gbit * 1e9 / 8 if throttled else None
+    if throttled:
+        streams_list = [s for s in streams_list if s == 2] or streams_list[:1]
+    numel = args.numel
+    frag_bytes = numel * 4
+    figures: dict[str, float] = {}
+    link = (
+        f"emulated {args.rate_gbit:g} Gbit/s per learner and direction (token bucket, 64 KiB "
+        "burst, in the learners' socket layer)"
+        if throttled
+        else "raw loopback"
+    )
+    tables.out(f"\n### Round latency, {link}\n")
+    tables.out(
+        f"One fragment of {numel:,} f32 values ({frag_bytes / MIB:.0f} MiB), pipeline 1, quorum "
+        f"M, delta correction none; median of {args.rounds} rounds after 1 warm-up. Round t = "
+        "first learner holding both PULL t and BCAST t−1 → last learner's receipt of BCAST t; "
+        "push = → last learner's PUSH written to its sockets. Bytes = per round, "
+        "counted on the learners' sockets (headers and CHUNK envelopes included). (a) = plain "
+        "blocking sockets moving the same tensor bytes (same link emulation)."
+    )
+    tables.out()
+    tables.out(
+        "| M | S | dtype | round ms | of it: push ms | (a) plain ms | round / (a) | in MB "
+        "| out MB "
+        "| peak RSS MiB | RSS limit MiB | RSS |"
+    )
+    tables.out("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for learners in learners_list:
+        plain: dict[WireDtype, float] = {}
+        for dtype in dtypes:
+            push_bytes, bcast_bytes = wire_sizes(dtype, numel)
+            plain[dtype] = run_plain(learners, push_bytes, bcast_bytes, args.rounds, rate)
+        for streams in streams_list:
+            for dtype in dtypes:
+                profile = None
+                if args.profile is not None:
+                    args.profile.mkdir(parents=True, exist_ok=True)
+                    tag = "throttled" if throttled else "loopback"
+                    name = f"{tag}-m{learners}-s{streams}-{dtype.name.lower()}.prof"
+                    profile = args.profile / name
+                result = run_yeto(
+                    learners, streams, dtype, numel, args.rounds, rate=rate, profile=profile
+                )
+                limit = RSS_BASE_MIB + (learners + 4) * frag_bytes / MIB
+                ratio = result.latency_s / plain[dtype]
+                tables.out(
+                    f"| {learners} | {streams} | {dtype.name.lower()} | {ms(result.latency_s)} "
+                    f"| {ms(result.push_s)} | {ms(plain[dtype])} | {ratio:.2f}x "
+                    f"| {result.bytes_in / 1e6:,.1f} | {result.bytes_out / 1e6:,.1f} "
+                    f"| {result.peak_rss_mib:,.0f} | {limit:,.0f} "
+                    f"| {verdict(result.peak_rss_mib <= limit)} |"
+                )
+                key = f"{learners}/{streams}/{dtype.name.lower()}"
+                figures[key] = result.latency_s
+                figures[f"plain {key}"] = plain[dtype]
+    return figures
+
+
+def baselines_part(args: argparse.Namespace, tables: Tables) -> dict[str, float]:
+    learners_list = [int(m) for m in parse_list(args.learners)]
+    figures: dict[str, float] = {}
+    has_torchft = torchft_installed()
+    tables.out("\n### Baselines of the same size, raw loopback\n")
+    tables.out(
+        f"(b) gloo `all_reduce` of {args.numel:,} f32 (spawned processes, 127.0.0.1): median "
+        "of 5, slowest rank. (c) torchft 0.2 DiLoCo, a 4096×4096 `nn.Linear` (16.8M + 4096 "
+        "parameters), `sync_every=1`: one `inner.step()` including the outer sync in its hook "
+        f"(median of {args.rounds} after 2 warm-ups, slowest replica). Merge = `merge_round` "
+        "(avg, no correction) of M responses, in this process, median of 3."
+    )
+    tables.out()
+    tables.out(
+        "| M | (b) gloo all_reduce ms | (c) torchft DiLoCo sync ms | inner step alone ms "
+        "| merge ms |"
+    )
+    tables.out("|---:|---:|---:|---:|---:|")
+    for learners in learners_list:
+        gloo = run_gloo(learners, args.numel, 5)
+        merge = measure_merge(learners, args.numel)
+        figures[f"gloo {learners}"] = gloo
+        figures[f"merge {learners}"] = merge
+        if has_torchft:
+            sync, inner = run_torchft(learners, args.rounds)
+            figures[f"torchft {learners}"] = sync
+            torchft_cells = f"{ms(sync)} | {ms(inner)}"
+        else:
+            torchft_cells = "torchft not installed | "
+        tables.out(f"| {learners} | {ms(gloo)} | {torchft_cells} | {ms(merge)} |")
+    if not has_torchft:
+        print("torchft not installed", flush=True)
+    return figures
+
+
+def scale_part(args: argparse.Namespace, tables: Tables) -> None:
+    counts = [int(m) for m in parse_list(args.scale_learners)]
+    tables.out("\n### Scale: F = 8 fragments of 1M f32 values\n")
+    first, last = SCALE_WINDOW
+    tables.out(
+        f"{args.scale_rounds} rounds, pipeline 2, quorum M, S = 0, f32; learners are threads in "
+        f"{4} host processes; syncer time over rounds {first + 1}..{last} (every learner holds "
+        "the version): wall clock and the daemon's CPU (utime + stime). Target: at most linear "
+        "in M, i.e. CPU per learner per round at the largest M ≤ 1.2× that at the smallest."
+    )
+    tables.out()
+    tables.out(
+        "| M | wall ms / round | syncer CPU ms / round | CPU ms / round / learner "
+        "| × smallest M | peak RSS MiB |"
+    )
+    tables.out("|---:|---:|---:|---:|---:|---:|")
+    results = [run_scale(m, args.scale_rounds) for m in counts]
+    base = results[0].cpu_per_round_s / results[0].learners
+    for result in results:
+        per_learner = result.cpu_per_round_s / result.learners
+        tables.out(
+            f"| {result.learners} | {ms(result.wall_per_round_s)} | "
+            f"{ms(result.cpu_per_round_s)} | {per_learner * 1000:.2f} | "
+            f"{per_learner / base:.2f}x | {result.peak_rss_mib:,.0f} |"
+        )
+    last_ratio = results[-1].cpu_per_round_s / results[-1].learners / base
+    tables.out(
+        f"\nScale target (CPU per learner at M = {counts[-1]} ≤ 1.2× M = {counts[0]}): "
+        f"{last_ratio:.2f}x, {verdict(last_ratio <= 1.2)}"
+    )
+
+
+def targets(figures: dict[str, float], tables: Tables) -> None:
+    tables.out("\n### Targets\n")
+    tables.out("| target | measured | limit | result |")
+    tables.out("|---|---:|---:|---|")
+    key = "2/2/f32"
+    if key in figures and f"plain {key}" in figures and "merge 2" in figures:
+        limit = 1.5 * figures[f"plain {key}"] + figures["merge 2"]
+        tables.out(
+            f"| f32 M=2 S=2 round ≤ 1.5 × (a) + merge | {ms(figures[key])} ms | {ms(limit)} ms "
+            f"| {verdict(figures[key] <= limit)} |"
+        )
+    if key in figures and "torchft 2" in figures:
+        limit = 0.7 * figures["torchft 2"]
+        tables.out(
+            f"| f32 M=2 S=2 round ≤ 0.7 × (c) torchft | {ms(figures[key])} ms | {ms(limit)} ms "
+            f"| {verdict(figures[key] <= limit)} |"
+        )
+    for tag in ("throttled ", ""):
+        f32, q4 = figures.get(f"{tag}2/2/f32"), figures.get(f"{tag}2/2/q4")
+        if f32 is not None and q4 is not None:
+            where = "emulated 1 Gbit/s" if tag else "raw loopback (info)"
+            tables.out(
+                f"| q4 ≥ 3× faster than f32, M=2 S=2, {where} | {f32 / q4:.2f}x | 3.00x "
+                f"| {verdict(f32 / q4 >= 3.0) if tag else 'info'} |"
+            )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", default="rounds,baselines,throttled,scale")
+    parser.add_argument("--learners", default="2,4", help="M values (rounds, baselines)")
+    parser.add_argument("--streams", default="0,2,4", help="S values (rounds)")
+    parser.add_argument("--dtypes", default="f32,bf16,q4")
+    parser.add_argument("--numel", type=int, default=4096 * 4096)
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per case")
+    parser.add_argument("--rate-gbit", type=float, default=1.0)
+    parser.add_argument("--scale-learners", default="4,8,16,32")
+    parser.add_argument("--scale-rounds", type=int, default=64)
+    parser.add_argument("--profile", type=Path, help="run daemons under cProfile, files here")
+    args = parser.parse_args(argv)
+    parts = set(parse_list(args.part))
+    tables = Tables()
+    started = time.monotonic()
+    load = os.getloadavg()
+    tables.out(
+        f"{datetime.date.today()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"numpy {np.__version__}; load average at the start {load[0]:.2f}"
+    )
+    figures: dict[str, float] = {}
+    if "rounds" in parts:
+        figures |= rounds_part(args, tables, throttled=False)
+    if "baselines" in parts:
+        figures |= baselines_part(args, tables)
+    if "throttled" in parts:
+        throttled = rounds_part(args, tables, throttled=True)
+        figures |= {f"throttled {k}": v for k, v in throttled.items()}
+    if "scale" in parts:
+        scale_part(args, tables)
+    targets(figures, tables)
+    load = os.getloadavg()
+    tables.out(
+        f"\nTotal {time.monotonic() - started:.0f} s; load average at the end {load[0]:.2f}."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
