@@ -34,10 +34,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from results_md import RESULTS, replace_section  # noqa: E402
+
 from yeto_proto import dtypes  # noqa: E402
 from yeto_proto.constants import WireDtype  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 HEADING = "## Codecs (bench_codecs.py)"
 MI = 1 << 20
 
@@ -272,19 +273,6 @@ def table(rows: list[Row], numel: int, repeats: int, notes: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(text: str) -> None:
-    section = f"{HEADING}\n\n{text}"
-    current = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    if HEADING in current:
-        start = current.index(HEADING)
-        following = current.find("\n## ", start + len(HEADING))
-        end = len(current) if following < 0 else following + 1
-        current = current[:start] + section + ("\n" + current[end:] if following >= 0 else "")
-    else:
-        current = current.rstrip("\n") + "\n\n" + section
-    RESULTS.write_text(current)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 Mi values; print, don't write")
@@ -296,7 +284,7 @@ def main() -> None:
     print(text)
     failed = [row.what for row in rows if row.result() == "FAIL"]
     if not args.quick:
-        write_results(text)
+        replace_section(HEADING, text)
         print(f"written to {RESULTS} under {HEADING!r}")
     if failed:
         print("FAIL:", ", ".join(failed))

@@ -42,6 +42,8 @@ from numpy.typing import NDArray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from results_md import RESULTS, replace_section  # noqa: E402
+
 from yeto_proto.constants import MergeMode  # noqa: E402
 from yeto_proto.identity import DeltaCorrection  # noqa: E402
 from yeto_proto.layout import WireFragment  # noqa: E402
@@ -53,7 +55,6 @@ from yeto_sync.merge import (  # noqa: E402
     merged_outer_gradient,
 )
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 HEADING = "## Iso worker pool, torch-svd backend (bench_iso_pool.py)"
 LEARNERS = 4
 F32 = NDArray[np.float32]
@@ -268,19 +269,6 @@ def render(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def write_results(table: str, note: str) -> None:
-    section = f"{HEADING}\n\n{note}\n\n{table}\n"
-    text = RESULTS.read_text(encoding="utf-8") if RESULTS.exists() else "# Benchmark results\n"
-    if HEADING in text:
-        # Replace our own earlier section, leave everyone else's untouched.
-        start = text.index(HEADING)
-        nxt = text.find("\n## ", start + len(HEADING))
-        text = text[:start] + section + ("" if nxt < 0 else text[nxt:])
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    RESULTS.write_text(text, encoding="utf-8")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes; do not write")
@@ -332,7 +320,7 @@ def main() -> int:
         f"1-min load average at the end {load:.1f} (other jobs share the 2 cores)."
     )
     if not args.quick:
-        write_results(table, note)
+        replace_section(HEADING, f"{note}\n\n{table}\n")
         print(f"\nwritten to {RESULTS}", file=sys.stderr)
     return 1 if any(row.verdict == "FAIL" for row in rows) else 0
 

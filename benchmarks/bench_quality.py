@@ -36,11 +36,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from results_md import RESULTS, replace_section  # noqa: E402
 from torch import nn  # noqa: E402
 
 from yeto_learn.demo_model import Corpus, eval_loss, make_model, sample_batch  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 HEADING = "## Quality (bench_quality.py)"
 Q4_TOLERANCE = 0.02
 LR = 3e-3
@@ -208,23 +208,9 @@ def main() -> int:
     print(table)
     print(verdict)
     if not args.no_write:
-        section = f"{HEADING}\n\n{context}\n\n{table}\n\n{verdict}\n"
-        write_section(section)
+        replace_section(HEADING, f"{context}\n\n{table}\n\n{verdict}\n")
         print(f"\nwritten to {RESULTS}")
     return 0
-
-
-def write_section(section: str) -> None:
-    """Replace this benchmark's section of RESULTS.md (or append it)."""
-    text = RESULTS.read_text(encoding="utf-8") if RESULTS.exists() else "# Benchmark results\n"
-    start = text.find(HEADING)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(HEADING))
-        rest = text[end + 1 :] if end >= 0 else ""
-        text = text[:start] + section + ("\n" + rest if rest else "")
-    RESULTS.write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":
