@@ -243,3 +243,17 @@ def test_a_stream_of_messages_decodes_in_order(wire: WireKit, data: st.DataObjec
     decoder = wire.decoder(receiver, session)
     cuts = data.draw(wire.cuts(len(stream)), "cuts")
     assert wire.feed_pieces(decoder, wire.pieces(stream, cuts)) == messages
+
+
+def test_outgoing_buffers_resume_after_partial_sends() -> None:
+    from yeto_proto.frames import OutgoingBuffers
+
+    frame = [b"abc", memoryview(b""), memoryview(b"defgh"), b"ij"]
+    pending = OutgoingBuffers(frame, iov_max=2)
+    written = b""
+    for sent in (2, 2, 3, 1, 2):  # splits inside and across buffers
+        batch = pending.batch()
+        assert 1 <= len(batch) <= 2
+        written += b"".join(bytes(v) for v in batch)[:sent]
+        pending.advance(sent)
+    assert pending.done and written == b"abcdefghij"

@@ -31,6 +31,7 @@ from .messages import (
     PullReq,
     PushFragment,
     Shutdown,
+    as_byte_view,
 )
 from .schema import (
     HEADER_STRUCT,
@@ -149,6 +150,36 @@ def encode(message: AnyMessage, *, hello_key: bytes | None = None) -> Buffers:
     data = message.data
     head = header(frame_type, prefix.size + len(data)) + prefix.pack(*values)
     return [head, data] if len(data) else [head]
+
+
+class OutgoingBuffers:
+    """A frame's buffers being written with ``sendmsg``, which may take only part of them.
+
+    Sans-IO bookkeeping for a socket writer: :meth:`batch` is the next at most ``iov_max``
+    views to pass to ``sendmsg``, :meth:`advance` drops the bytes it reports sent.
+    """
+
+    def __init__(self, frame: Buffers, iov_max: int = 512) -> None:
+        self._views = [as_byte_view(b) for b in frame if len(b)]
+        self._start = 0
+        self._iov_max = iov_max
+
+    @property
+    def done(self) -> bool:
+        return self._start == len(self._views)
+
+    def batch(self) -> list[memoryview]:
+        return self._views[self._start : self._start + self._iov_max]
+
+    def advance(self, sent: int) -> None:
+        while sent:
+            head = self._views[self._start]
+            if sent >= len(head):
+                sent -= len(head)
+                self._start += 1
+            else:
+                self._views[self._start] = head[sent:]
+                sent = 0
 
 
 def encode_bytes(message: AnyMessage, *, hello_key: bytes | None = None) -> bytes:

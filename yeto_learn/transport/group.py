@@ -39,7 +39,7 @@ from yeto_proto import (
     encode,
 )
 from yeto_proto.constants import CHUNK_SLICE_SIZE, STRIPED_TYPES
-from yeto_proto.frames import Buffers
+from yeto_proto.frames import Buffers, OutgoingBuffers
 
 RECV_BUFFER_SIZE = 1 << 20
 _CONNECT_PENDING = (errno.EINPROGRESS, errno.EALREADY, errno.EAGAIN, errno.EWOULDBLOCK)
@@ -291,11 +291,10 @@ class ConnectionGroup:
                 queue.popleft()
 
     async def _write_frame(self, sock: socket.socket, frame: Buffers) -> None:
-        views = [memoryview(b).cast("B") for b in frame if len(b)]
-        start = 0
-        while start < len(views):
+        pending = OutgoingBuffers(frame, IOV_BATCH)
+        while not pending.done:
             try:
-                sent = sock.sendmsg(views[start : start + IOV_BATCH])
+                sent = sock.sendmsg(pending.batch())
             except (BlockingIOError, InterruptedError):
                 sent = 0
             if not sent:
@@ -305,11 +304,4 @@ class ConnectionGroup:
                     raise GroupBroken(f"the syncer accepted no byte for {self._stall_timeout:g} s")
                 continue
             self._counters.bytes_sent += sent
-            while sent:
-                head = views[start]
-                if sent >= len(head):
-                    sent -= len(head)
-                    start += 1
-                else:
-                    views[start] = head[sent:]
-                    sent = 0
+            pending.advance(sent)

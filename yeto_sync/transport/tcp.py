@@ -37,7 +37,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from yeto_proto import AnyMessage, ErrorMessage, Limits, encode
-from yeto_proto.frames import Buffers
+from yeto_proto.frames import Buffers, OutgoingBuffers
 
 from ..events import ConnId, Event, GroupKey
 from . import Clock
@@ -414,11 +414,10 @@ class TcpTransport:
         return True
 
     async def _write_frame(self, sock: socket.socket, frame: Buffers) -> None:
-        views = [memoryview(b) for b in frame if len(b)]
-        start = 0
-        while start < len(views):
+        pending = OutgoingBuffers(frame, IOV_BATCH)
+        while not pending.done:
             try:
-                sent = sock.sendmsg(views[start : start + IOV_BATCH])
+                sent = sock.sendmsg(pending.batch())
             except (BlockingIOError, InterruptedError):
                 sent = 0
             if not sent:
@@ -427,11 +426,4 @@ class TcpTransport:
                 if waited.cancelled_caught:
                     raise SendStalled
                 continue
-            while sent:
-                head = views[start]
-                if sent >= len(head):
-                    sent -= len(head)
-                    start += 1
-                else:
-                    views[start] = head[sent:]
-                    sent = 0
+            pending.advance(sent)
