@@ -127,7 +127,7 @@ def make_responses(numel: int, seed: int) -> list[Response]:
             generation=1,
             c_steps=20 + i,
             c_tokens=4096 * (20 + 3 * i),
-            outer_grad=(rng.standard_normal(numel, dtype=np.float32) * np.float32(1e-3)),
+            pushed=(rng.standard_normal(numel, dtype=np.float32) * np.float32(1e-3)),
         )
         for i in range(LEARNERS)
     ]
@@ -181,7 +181,7 @@ def run_case(case: Case, pool: IsoWorkerPool, echo: Connection) -> list[Row]:
     config = MergeConfig(delta_correction=DeltaCorrection.NONE)
     weights = learner_weights(responses, config.learner_weight)
     coefs = [float(w) / float(weights.sum()) for w in weights]
-    grads = [r.outer_grad for r in responses]
+    grads = [r.outer_gradient() for r in responses]
     avg_geometry = WireFragment(MergeMode.AVG, numels)
     iso_geometry = WireFragment(MergeMode.ISO, numels, case.shapes)
     averaged = merged_outer_gradient(avg_geometry, responses, momentum, config)

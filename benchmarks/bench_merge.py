@@ -130,7 +130,7 @@ def make_responses(numel: int, seed: int) -> list[Response]:
             generation=1,
             c_steps=20 + i,
             c_tokens=4096 * (20 + 3 * i),
-            outer_grad=(rng.standard_normal(numel, dtype=np.float32) * np.float32(1e-3)),
+            pushed=(rng.standard_normal(numel, dtype=np.float32) * np.float32(1e-3)),
         )
         for i in range(LEARNERS)
     ]
@@ -151,7 +151,7 @@ def run_case(case: Case) -> list[Row]:
     config = MergeConfig(delta_correction=DeltaCorrection.NONE)
     weights = learner_weights(responses, config.learner_weight)
     coefs = [float(w) / float(weights.sum()) for w in weights]
-    grads = [r.outer_grad for r in responses]
+    grads = [r.outer_gradient() for r in responses]
 
     def merge(mode: MergeMode, cfg: MergeConfig = config) -> Callable[[], object]:
         shapes = case.shapes if mode is MergeMode.ISO else ()

@@ -345,6 +345,9 @@ class BenchLearner:
                 if isinstance(message, Shutdown):
                     return self.report
                 self._handle(message)
+                # Drop the frame now, as a learner that applied it would: its receive buffer
+                # is recycled only once nothing refers to it.
+                del message
         finally:
             self.close()
 
@@ -864,7 +867,7 @@ def measure_merge(learners: int, numel: int, repeats: int = 3) -> float:
     rng = np.random.default_rng(5)
     geometry = WireFragment(MergeMode.AVG, (numel,))
     responses = [
-        Response(i, 1, 1, 1000, rng.normal(0.0, 1e-3, numel).astype(np.float32))
+        Response.from_outer_gradient(i, 1, 1, 1000, rng.normal(0.0, 1e-3, numel).astype(np.float32))
         for i in range(learners)
     ]
     params = rng.normal(0.0, 0.02, numel).astype(np.float32)

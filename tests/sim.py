@@ -146,6 +146,7 @@ class Sim:
         fingerprint: bytes = FINGERPRINT,
         contract: bytes = CONTRACT,
         profile_hash: bytes | None = None,
+        work_clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -153,7 +154,9 @@ class Sim:
         self.fingerprint = fingerprint
         self.contract = contract
         self.profile_hash = profile_hash
-        self.coordinator = Coordinator(config, checkpoint=checkpoint, iso_solver=iso_solver)
+        self.coordinator = Coordinator(
+            config, checkpoint=checkpoint, iso_solver=iso_solver, work_clock=work_clock
+        )
         self.now = 0.0
         self.actions: list[Action] = []
         self.inbox: dict[GroupKey, list[AnyMessage]] = {}

@@ -184,6 +184,16 @@ def test_adaptive_grace(answer_after: float, expected_grace: float) -> None:
     assert sim.merges[0]["quorum_ms"] == pytest.approx(answer_after * 1000)
 
 
+def test_sync_time_includes_the_merge_as_the_work_clock_measures_it() -> None:
+    config = SyncerConfig(learners=1, total_steps=2, quorum=1, sync_interval_steps=0)
+    ticks = iter(0.25 * i for i in range(1, 1000))  # every reading 0.25 s after the previous
+    sim = Sim(config, LAYOUT3, work_clock=lambda: next(ticks))
+    sim.start()
+    sim.run()
+    # No round waited for an earlier one, so ξ_sync is the merge alone: one tick each.
+    assert [m["sync_ms"] for m in sim.merges] == [250.0, 250.0]
+
+
 def test_grace_subtracts_the_previous_sync_time() -> None:
     config = SyncerConfig(learners=2, total_steps=4, quorum=1, sync_interval_steps=0)
     sim = Sim(config, LAYOUT3)  # H = 0: no pacing, pipeline 2

@@ -537,3 +537,13 @@ def test_all_finite() -> None:
             spoiled[where] = bad
             assert not all_finite(spoiled)
     assert not all_finite(np.array([[1.0, math.nan]]))
+
+
+def test_all_finite_is_not_fooled_by_a_sum_that_overflows() -> None:
+    # Every value is finite but their f32 sum is not: the fast path must fall back to the
+    # exact check rather than report a NaN or infinity that is not there.
+    huge = np.full(dtypes._BLOCK_VALUES + 3, 3e38, np.float32)
+    huge[1::2] = 2e38
+    assert all_finite(huge)
+    huge[-1] = math.inf
+    assert not all_finite(huge)

@@ -195,7 +195,9 @@ def test_merge_round_with_the_pool_matches_the_scalar_backend(pool: IsoWorkerPoo
     geometry = WireFragment(MergeMode.ISO, (48 * 32, 16 * 16), ((48, 32), (16, 16)))
     rng = np.random.default_rng(11)
     responses = [
-        Response(i, 1, 3 + i, 1000 * (i + 1), rng.normal(0, 0.01, geometry.numel).astype("f4"))
+        Response.from_outer_gradient(
+            i, 1, 3 + i, 1000 * (i + 1), rng.normal(0, 0.01, geometry.numel).astype("f4")
+        )
         for i in range(3)
     ]
     params = rng.normal(0, 1, geometry.numel).astype(np.float32)
@@ -203,7 +205,6 @@ def test_merge_round_with_the_pool_matches_the_scalar_backend(pool: IsoWorkerPoo
     config = MergeConfig()
     scalar = merge_round(geometry, responses, params, momentum, {}, config, SCALAR_ISO_SOLVER)
     pooled = merge_round(geometry, responses, params, momentum, {}, config, pool)
-    assert relative_gap(pooled.delta, scalar.delta) <= 1e-5
     assert relative_gap(pooled.params, scalar.params) <= 1e-5
     assert pooled.ledger == scalar.ledger
 

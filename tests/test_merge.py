@@ -53,7 +53,7 @@ def f32(values: ArrayLike) -> F32:
 def response(
     learner_id: int, grad: ArrayLike, *, gen: int = 1, steps: int = 1, tokens: int = 1
 ) -> Response:
-    return Response(learner_id, gen, steps, tokens, f32(grad))
+    return Response.from_outer_gradient(learner_id, gen, steps, tokens, f32(grad))
 
 
 def fragment(mode: MergeMode, *shapes: tuple[int, int]) -> WireFragment:
@@ -234,7 +234,6 @@ def test_zero_weight_sum_gives_zero_delta_and_nesterov_still_runs(mode: MergeMod
     rs = [response(0, [1, 2, 3, 4], tokens=0), response(1, [5, 6, 7, 8], tokens=0)]
     params, momentum = f32([1.0, -1.0, 0.5, 0.0]), f32([0.25, 0.5, -1.0, 0.0])
     result = merge_round(geometry, rs, params, momentum, {}, NO_CORRECTION)
-    assert_bits(result.delta, zeros(4))
     assert result.gnorm == 0.0
     expected_p, expected_b = ref_nesterov(params, momentum, zeros(4), 0.7, 0.9)
     assert_bits(result.params, expected_p)
@@ -738,10 +737,97 @@ def test_merge_round_end_to_end() -> None:
     assert [r.learner_id for r in result.responses] == [0, 1, 2]
     assert result.weights == (4.0, 12.0, 8.0)
     expected_delta = ref_avg([grads[1], grads[2], grads[0]], [4.0, 12.0, 8.0])
-    assert_bits(result.delta, expected_delta)
-    assert result.gnorm == pytest.approx(ref_norm(result.delta), rel=1e-12)
+    assert result.gnorm == pytest.approx(ref_norm(f32(expected_delta)), rel=1e-12)
     expected_p, expected_b = ref_nesterov(params, momentum, f32(expected_delta), 0.7, 0.9)
     assert_bits(result.params, expected_p)
     assert_bits(result.momentum, expected_b)
     assert result.ledger[0] == LedgerEntry(2, 2, 3)
     assert result.ledger[1] == LedgerEntry(1, 3, 6)
+
+
+# -- the pushed sign and the fused outer step ----------------------------------------------------
+def test_pushed_payload_is_negated_by_the_merge_signed_zeros_included() -> None:
+    # Δ = −d: d = +0 gives Δ = −0 and the sum from +0.0 is +0.0; d = −0 gives Δ = +0 → +0.0.
+    geometry = fragment(MergeMode.AVG, (1, 4))
+    pushed = f32([0.0, -0.0, 1.5, -2.0])
+    r = Response(0, 1, 1, 1, pushed)
+    out = merged_outer_gradient(geometry, [r], zeros(4), NO_CORRECTION)
+    reference = f32([0.0, 0.0, 0.0, 0.0])
+    for i, delta in enumerate(np.negative(pushed)):
+        reference[i] = np.float32(0.0) + np.float32(1.0) * delta
+    assert_bits(out, reference)
+    assert np.signbit(out).tolist() == [False, False, True, False]
+
+
+def test_response_from_outer_gradient_stores_the_pushed_payload() -> None:
+    r = Response.from_outer_gradient(3, 2, 1, 5, f32([1.0, -2.0]))
+    assert_bits(r.pushed, [-1.0, 2.0])
+    assert_bits(r.outer_gradient(), [1.0, -2.0])
+
+
+@given(
+    st.lists(
+        st.tuples(st.floats(-1e3, 1e3, width=32), st.floats(-1e3, 1e3, width=32)),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_sign_folding_matches_adding_the_negated_payload(pairs: list[tuple[float, float]]) -> None:
+    a, b = f32([p[0] for p in pairs]), f32([p[1] for p in pairs])
+    rs = [Response(0, 1, 3, 7, a), Response(1, 1, 2, 5, b)]
+    geometry = fragment(MergeMode.AVG, (1, a.size))
+    got = merged_outer_gradient(geometry, rs, zeros(a.size), NO_CORRECTION)
+    weights = learner_weights(rs, NO_CORRECTION.learner_weight)
+    assert_bits(got, ref_avg([np.negative(a), np.negative(b)], [float(w) for w in weights]))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_outer_step_bits_do_not_depend_on_threads(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import yeto_sync.merge as merge_module
+
+    monkeypatch.setattr(merge_module, "_STEP_THREADS", threads)
+    n = merge_module._THREADED_MIN + 12_345  # more than one thread's worth, a ragged tail
+    geometry = fragment(MergeMode.AVG, (1, n))
+    grads = random_grads(21, 2, n, scale=1e-3)
+    rs = [response(0, grads[0], tokens=3), response(1, grads[1], tokens=5, steps=2)]
+    params, momentum = random_grads(22, 2, n)
+    result = merge_round(geometry, rs, params, momentum, {}, NO_CORRECTION)
+    delta = merged_outer_gradient(geometry, rs, momentum, NO_CORRECTION)
+    # The reference: Δ stored, then a plain full-array f32 Nesterov in numpy.
+    mu, lr = np.float32(0.9), np.float32(0.7)
+    buf = momentum * mu + delta
+    theta = params - lr * ((buf * mu) + delta)
+    assert_bits(result.momentum, buf)
+    assert_bits(result.params, theta)
+    assert result.gnorm == gnorm(delta)
+
+
+def test_merge_round_takes_its_arrays_from_allocate_and_writes_no_argument() -> None:
+    geometry = fragment(MergeMode.AVG, (2, 3))
+    grads = random_grads(31, 2, 6)
+    rs = [response(0, grads[0]), response(1, grads[1])]
+    params, momentum = random_grads(32, 2, 6)
+    before = (params.copy(), momentum.copy(), grads[0].copy(), grads[1].copy())
+    handed: list[F32] = []
+
+    def allocate(numel: int) -> F32:
+        handed.append(np.full(numel, np.nan, np.float32))  # garbage must be overwritten
+        return handed[-1]
+
+    result = merge_round(geometry, rs, params, momentum, {}, NO_CORRECTION, allocate=allocate)
+    assert result.params is handed[0] and result.momentum is handed[1]
+    expected = merge_round(geometry, rs, params, momentum, {}, NO_CORRECTION)
+    assert_bits(result.params, expected.params)
+    assert_bits(result.momentum, expected.momentum)
+    for was, now in zip(before, (params, momentum, *grads), strict=True):
+        assert_bits(now, was)
+
+
+def test_overflowing_outer_step_is_refused_all_or_nothing() -> None:
+    geometry = fragment(MergeMode.AVG, (1, 3))
+    rs = [response(0, [3e38, 1.0, 1.0])]
+    params, momentum = f32([-3e38, 0.0, 0.0]), f32([3e38, 0.0, 0.0])
+    with pytest.raises(MergeError, match="non-finite parameters or momentum"):
+        merge_round(geometry, rs, params, momentum, {}, NO_CORRECTION)

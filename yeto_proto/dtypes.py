@@ -456,13 +456,16 @@ def decode_tensor(
 
 
 def all_finite(a: NDArray[Any]) -> bool:
-    """True when no element of ``a`` is NaN or infinite (two reductions per cached block)."""
+    """True when no element of ``a`` is NaN or infinite (one reduction per cached block)."""
     flat = np.asarray(a).reshape(-1)
     if flat.dtype.kind != "f":
         return bool(np.isfinite(flat).all())
     for start in range(0, flat.size, _BLOCK_VALUES):
         block = flat[start : start + _BLOCK_VALUES]
-        # max/min propagate NaN, and an infinity is the max or the min of its block.
-        if not (np.isfinite(block.max()) and np.isfinite(block.min())):
+        # A NaN or an infinity makes the block's sum non-finite, so a finite sum proves the
+        # block finite; a non-finite sum may also be an overflow of finite values: check exactly.
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = np.add.reduce(block)
+        if not np.isfinite(total) and not np.isfinite(block).all():
             return False
     return True

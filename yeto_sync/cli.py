@@ -14,6 +14,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -281,7 +282,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         checkpoint = load_resume_checkpoint(config)
         iso_pool = start_iso_pool(config)
         try:
-            coordinator = Coordinator(config, checkpoint=checkpoint, iso_solver=iso_pool)
+            coordinator = Coordinator(
+                config, checkpoint=checkpoint, iso_solver=iso_pool, work_clock=time.monotonic
+            )
         except BaseException:
             if iso_pool is not None:
                 iso_pool.close()

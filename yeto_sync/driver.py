@@ -235,6 +235,9 @@ class Driver:
                 event = await source.next_event(self.next_timer_at())
                 if event is not None:
                     await self.dispatch(event)
+                    # Let go of the message now: a PUSH's receive buffer is recycled only once
+                    # nothing refers to it, and the next frame may already be arriving.
+                    del event
         if self.exit is None:
             stop = self._stop_request or Exit(EXIT_FAILURE, "stopped")
             with anyio.CancelScope(shield=True):

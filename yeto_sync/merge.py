@@ -15,15 +15,18 @@ that decides the bits follows the reference syncer, so that both produce the sam
 Iso SVDs go through an :class:`IsoSolver`: :class:`ScalarIsoSolver` in process, or a worker pool
 (``yeto_sync.iso``) that also takes a fragment's matrices in one batch (:class:`BatchIsoSolver`).
 
-Nothing here mutates an argument: functions return new arrays, and :func:`merge_round` hands
-the caller the whole new state only after every check passed (all or nothing).
+Nothing here mutates an argument: functions write new arrays (from an ``allocate`` callable when
+one is given), and :func:`merge_round` hands the caller the whole new state only after every
+check passed (all or nothing).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Final, NamedTuple, Protocol, runtime_checkable
@@ -37,6 +40,13 @@ from yeto_proto.layout import WireFragment
 
 F32Array = NDArray[np.float32]
 F64Array = NDArray[np.float64]
+#: Hands out an uninitialized flat f32 array of the given length (a pool, or :func:`_fresh`).
+Allocate = Callable[[int], F32Array]
+
+
+def _fresh(numel: int) -> F32Array:
+    return np.empty(numel, dtype=np.float32)
+
 
 #: What a merge needs to know about a fragment: merge mode, tensor numels, iso matrix shapes.
 FragmentGeometry = WireFragment
@@ -56,6 +66,10 @@ ISO_RELATIVE_CUTOFF: Final = 2.0**-52
 _BLOCK: Final = 1 << 18
 #: Up to this size one einsum call beats widening into a buffer (many small tensors).
 _SMALL: Final = 1 << 13
+#: Threads of the outer step's blocked pass (memory-bound: a few cores saturate the bus).
+_STEP_THREADS: Final = max(1, min(4, os.cpu_count() or 1))
+#: Below this many values the outer step runs on the calling thread alone.
+_THREADED_MIN: Final = 1 << 21
 #: The scalar iso solver keeps its f64 work buffers for matrices up to this many elements.
 _ISO_REUSE_MAX: Final = 1 << 22
 
@@ -71,24 +85,41 @@ class MergeError(Exception):
 class Response:
     """One learner's accepted contribution to one round.
 
-    ``outer_grad`` is the signed outer gradient Δ_m = −d_m of the whole fragment, flat f32,
-    already negated at decode time. It is read, never written.
+    ``pushed`` is the PUSH payload d_m = local − anchor of the whole fragment, flat f32, exactly
+    as the learner sent it (for f32 sessions a view of the receive buffer). The outer gradient is
+    Δ_m = −d_m; the merge folds that sign into its arithmetic (``x − c·d`` is bit for bit
+    ``x + c·(−d)`` in IEEE 754, signed zeros included) instead of negating a 64 MiB copy per
+    push. ``pushed`` is read, never written.
     """
 
     learner_id: int
     generation: int
     c_steps: int
     c_tokens: int
-    outer_grad: F32Array
+    pushed: F32Array
 
     def __post_init__(self) -> None:
         if self.learner_id < 0 or self.generation < 1:
             raise ValueError(f"bad member ({self.learner_id}, {self.generation})")
         if self.c_steps < 1 or self.c_tokens < 0:
             raise ValueError(f"bad counters c_steps={self.c_steps} c_tokens={self.c_tokens}")
-        grad = self.outer_grad
-        if not isinstance(grad, np.ndarray) or grad.dtype != np.float32 or grad.ndim != 1:
-            raise ValueError("outer_grad must be a flat float32 numpy array")
+        values = self.pushed
+        if not isinstance(values, np.ndarray) or values.dtype != np.float32 or values.ndim != 1:
+            raise ValueError("pushed must be a flat float32 numpy array")
+
+    @classmethod
+    def from_outer_gradient(
+        cls, learner_id: int, generation: int, c_steps: int, c_tokens: int, grad: F32Array
+    ) -> Response:
+        """A response given by its outer gradient Δ (stores d = −Δ, as a learner would push)."""
+        pushed: F32Array = np.negative(np.asarray(grad, dtype=np.float32))
+        return cls(learner_id, generation, c_steps, c_tokens, pushed)
+
+    def outer_gradient(self, allocate: Allocate | None = None) -> F32Array:
+        """Δ_m = −d_m as a new array (from ``allocate`` when given)."""
+        grad = _fresh(self.pushed.size) if allocate is None else allocate(self.pushed.size)
+        np.negative(self.pushed, out=grad)
+        return grad
 
     @property
     def member(self) -> tuple[int, int]:
@@ -210,6 +241,7 @@ class _BlockBuffers(threading.local):
 
     def __init__(self) -> None:
         self.narrow = np.empty(_BLOCK, dtype=np.float32)
+        self.summed = np.empty(_BLOCK, dtype=np.float32)
         self.wide = (np.empty(_BLOCK, dtype=np.float64), np.empty(_BLOCK, dtype=np.float64))
 
 
@@ -278,8 +310,31 @@ def _tensor_slices(geometry: FragmentGeometry) -> list[slice]:
     return [slice(end - numel, end) for numel, end in zip(geometry.numels, ends, strict=True)]
 
 
+class Term(NamedTuple):
+    """One learner's contribution to a sum: ``values`` is Δ, or d = −Δ when ``negated``."""
+
+    values: F32Array
+    negated: bool
+
+
+def _accumulate_block(
+    part: F32Array,
+    terms: Sequence[Term],
+    factors: Sequence[np.float32],
+    start: int,
+    stop: int,
+    scratch: F32Array,
+) -> None:
+    """part = Σ f32(coef)·Δ over one block, accumulated in f32 from +0.0 in the given order."""
+    part.fill(0.0)
+    for term, factor in zip(terms, factors, strict=True):
+        np.multiply(term.values[start:stop], factor, out=scratch)
+        # part − c·d is bit for bit part + c·(−d): subtraction adds the exact negation.
+        (np.subtract if term.negated else np.add)(part, scratch, out=part)
+
+
 def _accumulate_into(
-    out: F32Array, deltas: Sequence[F32Array], coefs: Sequence[float], *, norm: bool = False
+    out: F32Array, terms: Sequence[Term], coefs: Sequence[float], *, norm: bool = False
 ) -> float:
     """out = Σ f32(coef_m)·Δ_m, accumulated in f32 from +0.0 in the given order.
 
@@ -293,17 +348,17 @@ def _accumulate_into(
     total = 0.0
     for start in range(0, out.size, _BLOCK):
         stop = min(start + _BLOCK, out.size)
-        part, tmp = out[start:stop], scratch[: stop - start]
-        part.fill(0.0)
-        for delta, factor in zip(deltas, factors, strict=True):
-            np.multiply(delta[start:stop], factor, out=tmp)
-            np.add(part, tmp, out=part)
+        part = out[start:stop]
+        _accumulate_block(part, terms, factors, start, stop, scratch[: stop - start])
         if wide is not None:
-            x = wide[: stop - start]
-            np.copyto(x, part)
-            np.multiply(x, x, out=x)
-            total += float(np.add.reduce(x))
+            total += _block_squares(part, wide[: stop - start])
     return math.sqrt(total)
+
+
+def _block_squares(part: F32Array, wide: F64Array) -> float:
+    np.copyto(wide, part)
+    np.multiply(wide, wide, out=wide)
+    return float(np.add.reduce(wide))
 
 
 # -- weights and order -----------------------------------------------------------------------
@@ -335,35 +390,42 @@ def heloco_correct(delta: F32Array, momentum: F32Array) -> F32Array:
     """
     if delta.shape != momentum.shape:
         raise ValueError(f"delta {delta.shape} and momentum {momentum.shape} differ")
-    return _heloco(delta, momentum, _norm(momentum))
+    return _heloco(Term(delta, False), momentum, _norm(momentum)).values
 
 
-def _heloco(delta: F32Array, momentum: F32Array, momentum_norm: float) -> F32Array:
+def _heloco(term: Term, momentum: F32Array, momentum_norm: float) -> Term:
+    """``term`` itself when no branch changes it, else a new Δ (never negated).
+
+    A negated term (d = −Δ) is corrected without negating a copy first: the dot product and
+    the f64 weights flip sign exactly, so the bits equal those of correcting Δ.
+    """
     # ‖m‖ is shared by every learner of a tensor: the caller computes it once.
     if momentum_norm < HELOCO_EPS:
-        return delta
-    delta_squares, dot = _sum_of_squares_and_dot(delta, momentum)
+        return term
+    delta_squares, dot = _sum_of_squares_and_dot(term.values, momentum)
+    sign = -1.0 if term.negated else 1.0
+    dot *= sign
     delta_norm = math.sqrt(delta_squares)
     if delta_norm < HELOCO_EPS:
-        return delta
+        return term
     cosine = dot / (delta_norm * momentum_norm)
     if cosine >= HELOCO_C_OK:
-        return delta
+        return term
     confidence = delta_norm / (delta_norm + HELOCO_KAPPA * momentum_norm + HELOCO_EPS)
     if cosine < 0.0:
         beta = min(HELOCO_K_S * (-cosine) * confidence, HELOCO_BETA_MAX)
         # Δ − β·c·‖Δ‖·v̂ with v̂ = m/‖m‖, folded into one f32 coefficient on m.
         coef = np.float32(-beta * cosine * delta_norm / momentum_norm)
         shrunk: F32Array = np.multiply(momentum, coef)
-        np.add(shrunk, delta, out=shrunk)
-        return shrunk
+        (np.subtract if term.negated else np.add)(shrunk, term.values, out=shrunk)
+        return Term(shrunk, False)
     mix = min(HELOCO_K_D * (1.0 - cosine) * confidence, 1.0)
     # ũ = (1−λ)û + λv̂ in f64, rounded to f32, then scaled back to the original magnitude
     # ‖Δ‖·ũ/max(‖ũ‖, ε) with ‖ũ‖ taken from the f64 values.
-    delta_weight, momentum_weight = (1.0 - mix) / delta_norm, mix / momentum_norm
-    rotated = np.empty_like(delta)
+    delta_weight, momentum_weight = sign * (1.0 - mix) / delta_norm, mix / momentum_norm
+    rotated = np.empty_like(term.values)
     squares = 0.0
-    for part, (x, y) in _widened(delta, momentum):
+    for part, (x, y) in _widened(term.values, momentum):
         np.multiply(x, delta_weight, out=x)
         np.multiply(y, momentum_weight, out=y)
         np.add(x, y, out=x)
@@ -371,7 +433,7 @@ def _heloco(delta: F32Array, momentum: F32Array, momentum_norm: float) -> F32Arr
         np.multiply(x, x, out=x)
         squares += float(np.add.reduce(x))
     rotated *= np.float32(delta_norm / max(math.sqrt(squares), HELOCO_EPS))
-    return rotated
+    return Term(rotated, False)
 
 
 # -- merge -----------------------------------------------------------------------------------
@@ -381,49 +443,81 @@ def merged_outer_gradient(
     momentum: F32Array,
     config: MergeConfig,
     iso_solver: IsoSolver = SCALAR_ISO_SOLVER,
+    allocate: Allocate | None = None,
 ) -> F32Array:
     """The merged Δ of one round: correction per learner and tensor, then the fragment's mode.
 
-    ``momentum`` is the fragment's Nesterov buffer before this commit (read only).
+    ``momentum`` is the fragment's Nesterov buffer before this commit (read only). The result
+    comes from ``allocate`` (default: a new array).
     """
     ordered = merge_order(responses)
+    _check_round_inputs(geometry, ordered, momentum)
+    alloc = allocate or _fresh
+    merged = _merge(geometry, ordered, momentum, config, iso_solver, alloc)
+    if isinstance(merged, np.ndarray):
+        return merged
+    summed = alloc(geometry.numel)
+    _accumulate_into(summed, *merged)
+    return summed
+
+
+def _check_round_inputs(
+    geometry: FragmentGeometry, ordered: Sequence[Response], momentum: F32Array
+) -> None:
     numel = geometry.numel
     if momentum.shape != (numel,) or momentum.dtype != np.float32:
         raise ValueError(f"momentum must be float32 of shape ({numel},)")
     for response in ordered:
-        if response.outer_grad.shape != (numel,):
+        if response.pushed.shape != (numel,):
             raise ValueError(
-                f"learner {response.member} sent {response.outer_grad.size} values, "
+                f"learner {response.member} sent {response.pushed.size} values, "
                 f"fragment has {numel}"
             )
-    merged = np.zeros(numel, dtype=np.float32)
+
+
+#: A merged Δ that is one weighted sum over the whole fragment: its terms and coefficients.
+PlainSum = tuple[list[Term], list[float]]
+
+
+def _merge(
+    geometry: FragmentGeometry,
+    ordered: Sequence[Response],
+    momentum: F32Array,
+    config: MergeConfig,
+    iso_solver: IsoSolver,
+    allocate: Allocate,
+) -> PlainSum | F32Array:
+    """The merged Δ in a new array from ``allocate``, or as a :data:`PlainSum` of the pushes.
+
+    avg without a correction that changed anything is element-wise, so the caller may fold
+    that sum into a pass of its own (the outer step) and Δ is never stored.
+    """
     weights = [float(w) for w in learner_weights(ordered, config.learner_weight)]
     weight_sum = _sequential_sum(weights)
     if not weight_sum > 0.0:
-        return merged
+        return [], []
     avg_coefs = [w / weight_sum for w in weights]
     slices = _tensor_slices(geometry)
-    per_tensor = [[r.outer_grad[part] for r in ordered] for part in slices]
+    per_tensor = [[Term(r.pushed[part], True) for r in ordered] for part in slices]
     corrected = False
     if config.delta_correction is DeltaCorrection.HELOCO:
-        for part, deltas in zip(slices, per_tensor, strict=True):
+        for part, terms in zip(slices, per_tensor, strict=True):
             tensor_momentum = momentum[part]
             momentum_norm = _norm(tensor_momentum)
-            for m, delta in enumerate(deltas):
-                deltas[m] = _heloco(delta, tensor_momentum, momentum_norm)
-                corrected = corrected or deltas[m] is not delta
+            for m, term in enumerate(terms):
+                terms[m] = _heloco(term, tensor_momentum, momentum_norm)
+                corrected = corrected or terms[m] is not term
     mode = geometry.merge_mode
     if mode is MergeMode.AVG and not corrected:
-        # avg is element-wise: one pass over the whole fragment gives the same bits.
-        _accumulate_into(merged, [r.outer_grad for r in ordered], avg_coefs)
-        return merged
+        return [Term(r.pushed, True) for r in ordered], avg_coefs
+    merged = allocate(geometry.numel)
     outs = [merged[part] for part in slices]
     if mode is MergeMode.RDA:
-        for out, deltas in zip(outs, per_tensor, strict=True):
-            _rda_into(out, deltas, weights, weight_sum, avg_coefs)
+        for out, terms in zip(outs, per_tensor, strict=True):
+            _rda_into(out, terms, weights, weight_sum, avg_coefs)
         return merged
-    for out, deltas in zip(outs, per_tensor, strict=True):
-        _accumulate_into(out, deltas, avg_coefs)
+    for out, terms in zip(outs, per_tensor, strict=True):
+        _accumulate_into(out, terms, avg_coefs)
     if mode is MergeMode.ISO:
         _iso_into(outs, geometry.matrix_shapes, iso_solver)
     return merged
@@ -431,22 +525,22 @@ def merged_outer_gradient(
 
 def _rda_into(
     out: F32Array,
-    deltas: Sequence[F32Array],
+    terms: Sequence[Term],
     weights: Sequence[float],
     weight_sum: float,
     avg_coefs: Sequence[float],
 ) -> None:
-    norms = [_norm(d) for d in deltas]
+    norms = [_norm(t.values) for t in terms]
     radial = _sequential_sum(w * n for w, n in zip(weights, norms, strict=True)) / weight_sum
     moving = [
-        (d, w / weight_sum / n) for d, w, n in zip(deltas, weights, norms, strict=True) if n > 0.0
+        (t, w / weight_sum / n) for t, w, n in zip(terms, weights, norms, strict=True) if n > 0.0
     ]
     direction_norm = _accumulate_into(
-        out, [d for d, _ in moving], [c for _, c in moving], norm=True
+        out, [t for t, _ in moving], [c for _, c in moving], norm=True
     )
     if direction_norm < RDA_DEGENERATE_NORM:
         # All-zero or cancelling directions: the plain weighted average.
-        _accumulate_into(out, deltas, avg_coefs)
+        _accumulate_into(out, terms, avg_coefs)
         return
     out *= np.float32(radial / direction_norm)
 
@@ -499,19 +593,133 @@ def nesterov_step(
     for name, array in (("params", params), ("momentum", momentum), ("delta", delta)):
         if array.dtype != np.float32:
             raise ValueError(f"{name} must be float32, not {array.dtype}")
-    if not _all_finite(delta):
-        raise MergeError("merged outer gradient is not finite; commit refused")
-    lr32, mu32 = np.float32(lr), np.float32(mu)
-    with np.errstate(over="ignore", invalid="ignore"):
-        new_momentum = np.multiply(momentum, mu32)
-        np.add(new_momentum, delta, out=new_momentum)
-        new_params = np.multiply(new_momentum, mu32)
-        np.add(new_params, delta, out=new_params)
-        np.multiply(new_params, lr32, out=new_params)
-        np.subtract(params, new_params, out=new_params)
-    if not (_all_finite(new_momentum) and _all_finite(new_params)):
-        raise MergeError("outer step produced non-finite parameters or momentum; commit refused")
+    new_params, new_momentum = _fresh(params.size), _fresh(params.size)
+    _outer_step(params, momentum, delta, None, lr, mu, new_params, new_momentum)
     return new_params, new_momentum
+
+
+def _finite_sum(block: F32Array) -> bool:
+    # A NaN or an infinity makes the sum non-finite, so a finite sum proves every element
+    # finite with one reduction; a non-finite sum may also be an overflow (checked exactly).
+    return math.isfinite(float(np.add.reduce(block)))
+
+
+def _outer_step(
+    params: F32Array,
+    momentum: F32Array,
+    delta: F32Array | None,
+    plain_sum: PlainSum | None,
+    lr: float,
+    mu: float,
+    new_params: F32Array,
+    new_momentum: F32Array,
+) -> float:
+    """The f32 Nesterov step in one blocked pass, Δ either given or summed block by block.
+
+    Exactly one of ``delta`` (the merged Δ) and ``plain_sum`` (its terms: each block of Δ is
+    formed in a cache-sized scratch buffer and never stored) is given. Every array is read or
+    written once, each block while it is in cache, and the blocks are split into contiguous
+    runs over a few threads (numpy releases the GIL); the per-block partial sums of ‖Δ‖² are
+    added in block order afterwards, so the bits do not depend on the thread count. Returns ‖Δ‖
+    in f64; raises :class:`MergeError` on a non-finite Δ or result (inputs are untouched).
+    """
+    numel = params.size
+    step = _StepPass(params, momentum, delta, plain_sum, lr, mu, new_params, new_momentum)
+    starts = range(0, numel, _BLOCK)
+    runs = _split_runs(len(starts), _STEP_THREADS if numel >= _THREADED_MIN else 1)
+    if len(runs) == 1:
+        squares = step.run(starts)
+    else:
+        futures = [_step_executor().submit(step.run, starts[run]) for run in runs]
+        # Wait for every run before raising, so no thread still writes the outputs after.
+        outcomes = [(future.exception(), future) for future in futures]
+        for error, _ in outcomes:
+            if error is not None:
+                raise error
+        squares = [value for _, future in outcomes for value in future.result()]
+    if numel <= _SMALL:  # small fragments: the norm exactly as gnorm() takes it (one einsum)
+        summed = _fresh(numel) if delta is None else delta
+        if delta is None:
+            assert plain_sum is not None
+            _accumulate_into(summed, *plain_sum)
+        return gnorm(summed)
+    return math.sqrt(_sequential_sum(squares))
+
+
+def _split_runs(blocks: int, threads: int) -> list[slice]:
+    """``blocks`` block indexes as at most ``threads`` contiguous runs of near-equal length."""
+    threads = max(1, min(threads, blocks))
+    bounds = [blocks * i // threads for i in range(threads + 1)]
+    return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+
+
+class _StepPass:
+    """One outer step's arrays and constants; :meth:`run` does a run of blocks."""
+
+    def __init__(
+        self,
+        params: F32Array,
+        momentum: F32Array,
+        delta: F32Array | None,
+        plain_sum: PlainSum | None,
+        lr: float,
+        mu: float,
+        new_params: F32Array,
+        new_momentum: F32Array,
+    ) -> None:
+        if (delta is None) == (plain_sum is None):
+            raise ValueError("give exactly one of delta and plain_sum")
+        self.params, self.momentum, self.delta = params, momentum, delta
+        self.terms: list[Term] = [] if plain_sum is None else plain_sum[0]
+        self.factors = [] if plain_sum is None else [np.float32(c) for c in plain_sum[1]]
+        self.lr32, self.mu32 = np.float32(lr), np.float32(mu)
+        self.new_params, self.new_momentum = new_params, new_momentum
+
+    def run(self, starts: range) -> list[float]:
+        """Step the blocks beginning at ``starts``; their ‖Δ‖² partial sums, in order."""
+        numel = self.params.size
+        scratch, wide = _BUFFERS.narrow, _BUFFERS.wide[0]
+        summed = _BUFFERS.summed
+        squares: list[float] = []
+        with np.errstate(over="ignore", invalid="ignore"):
+            for start in starts:
+                stop = min(start + _BLOCK, numel)
+                size = stop - start
+                if self.delta is not None:
+                    d = self.delta[start:stop]
+                else:
+                    d = summed[:size]
+                    _accumulate_block(d, self.terms, self.factors, start, stop, scratch[:size])
+                buf = self.new_momentum[start:stop]
+                np.multiply(self.momentum[start:stop], self.mu32, out=buf)
+                np.add(buf, d, out=buf)
+                theta = self.new_params[start:stop]
+                np.multiply(buf, self.mu32, out=theta)
+                np.add(theta, d, out=theta)
+                np.multiply(theta, self.lr32, out=theta)
+                np.subtract(self.params[start:stop], theta, out=theta)
+                # A non-finite Δ always shows in μ·buf + Δ, so two sums cover all three arrays.
+                if not (_finite_sum(buf) and _finite_sum(theta)):
+                    if not _all_finite(d):
+                        raise MergeError("merged outer gradient is not finite; commit refused")
+                    if not (_all_finite(buf) and _all_finite(theta)):
+                        raise MergeError(
+                            "outer step produced non-finite parameters or momentum; commit refused"
+                        )
+                squares.append(_block_squares(d, wide[:size]))
+        return squares
+
+
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _step_executor() -> ThreadPoolExecutor:
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(_STEP_THREADS, thread_name_prefix="yeto-merge")
+        return _executor
 
 
 # -- ledger ----------------------------------------------------------------------------------
@@ -538,8 +746,7 @@ class RoundMerge:
 
     responses: tuple[Response, ...]  # in merge order
     weights: tuple[float, ...]  # aligned with ``responses``
-    delta: F32Array
-    gnorm: float
+    gnorm: float  # ‖merged Δ‖ (Δ itself is never stored when it is a plain weighted sum)
     params: F32Array
     momentum: F32Array
     ledger: dict[int, LedgerEntry]
@@ -553,19 +760,38 @@ def merge_round(
     ledger: Mapping[int, tuple[int, int, int]],
     config: MergeConfig,
     iso_solver: IsoSolver = SCALAR_ISO_SOLVER,
+    allocate: Allocate | None = None,
 ) -> RoundMerge:
-    """Merge, outer step and ledger of one round, all or nothing (:class:`MergeError`)."""
+    """Merge, outer step and ledger of one round, all or nothing (:class:`MergeError`).
+
+    The new Δ, params and momentum come from ``allocate`` (a pool that recycles a fragment's
+    previous arrays avoids page-faulting fresh memory every round); ``params`` and
+    ``momentum`` are only read.
+    """
     ordered = merge_order(responses)
-    delta = merged_outer_gradient(geometry, ordered, momentum, config, iso_solver)
-    new_params, new_momentum = nesterov_step(
-        params, momentum, delta, config.outer_lr, config.outer_momentum
+    _check_round_inputs(geometry, ordered, momentum)
+    if params.shape != momentum.shape or params.dtype != np.float32:
+        raise ValueError("params must be float32 of the momentum's shape")
+    alloc = allocate or _fresh
+    numel = geometry.numel
+    merged = _merge(geometry, ordered, momentum, config, iso_solver, alloc)
+    new_params, new_momentum = alloc(numel), alloc(numel)
+    delta, plain_sum = (merged, None) if isinstance(merged, np.ndarray) else (None, merged)
+    norm = _outer_step(
+        params,
+        momentum,
+        delta,
+        plain_sum,
+        config.outer_lr,
+        config.outer_momentum,
+        new_params,
+        new_momentum,
     )
     weights = learner_weights(ordered, config.learner_weight)
     return RoundMerge(
         responses=ordered,
         weights=tuple(float(w) for w in weights),
-        delta=delta,
-        gnorm=gnorm(delta),
+        gnorm=norm,
         params=new_params,
         momentum=new_momentum,
         ledger=update_ledger(ledger, ordered),

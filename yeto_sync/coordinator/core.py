@@ -15,6 +15,7 @@ generations), :mod:`.schedule` (fragment targets, pipeline, pacing, grace), :mod
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from yeto_proto.checkpoint import Checkpoint, resume_decision
@@ -74,7 +75,7 @@ from .schedule import (
     target_fragment,
 )
 from .state import GlobalModel
-from .tensors import bcast_message, decode_init, decode_outer_gradient, final_fragment_message
+from .tensors import bcast_message, decode_init, decode_push, final_fragment_message
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -100,7 +101,12 @@ class Coordinator:
         *,
         checkpoint: Checkpoint | None = None,
         iso_solver: IsoSolver | None = None,
+        work_clock: Callable[[], float] | None = None,
     ) -> None:
+        """``work_clock`` times each merge for ξ_sync (the daemon passes a monotonic clock).
+
+        Without it a merge takes no time, so a run depends only on its events and ``now``s.
+        """
         if iso_solver is None:
             if config.iso_backend is not IsoBackend.SCALAR:
                 raise ValueError(f"iso backend {config.iso_backend.name} needs an injected solver")
@@ -112,6 +118,7 @@ class Coordinator:
             )
         self.config = config
         self._solver = iso_solver
+        self._work_clock = work_clock
         self._merge_config = MergeConfig(
             learner_weight=config.learner_weight,
             delta_correction=config.delta_correction,
@@ -249,7 +256,7 @@ class Coordinator:
                 return False
         session = self._admission.fix(hello)
         self._limits = Limits.of(session.dtype, session.layout)
-        model = GlobalModel(session.layout)
+        model = GlobalModel(session.layout, self.config.learners)
         if checkpoint is not None:
             model.install(checkpoint)
             self._checkpoint = None  # installed; the model owns the arrays now
@@ -402,15 +409,18 @@ class Coordinator:
         assert target is not None
         model, session = self._require_model(), self._require_session()
         try:
-            grad = decode_outer_gradient(
-                push.data, session.dtype, model.fragments[target.fragment].geometry.numel
+            pushed = decode_push(
+                push.data,
+                session.dtype,
+                model.fragments[target.fragment].geometry.numel,
+                model.arrays.take,
             )
         except ProtocolError as exc:
             self._close_group(
                 key, Refusal(exc.code, f"PUSH for round {push.global_step}: {exc.detail}"), out
             )
             return
-        response = Response(key.learner_id, key.generation, push.c_steps, push.c_tokens, grad)
+        response = Response(key.learner_id, key.generation, push.c_steps, push.c_tokens, pushed)
         staleness = target.launch_version - push.base_version
         target.accept(Accepted(response, push.base_version, staleness, now), key)
         out.append(
@@ -744,6 +754,7 @@ class Coordinator:
         model, session = self._require_model(), self._require_session()
         slot = model.fragments[done.fragment]
         params, momentum = slot.arrays()
+        merge_started = self._work_clock() if self._work_clock is not None else 0.0
         try:
             merged = merge_round(
                 slot.geometry,
@@ -753,6 +764,7 @@ class Coordinator:
                 model.ledger,
                 self._merge_config,
                 self._solver,
+                model.arrays.take,
             )
         except MergeError as exc:
             reason = f"round {done.step} (fragment {done.fragment}) failed to commit: {exc}"
@@ -760,7 +772,10 @@ class Coordinator:
             self._fail(reason, out)
             return False
         assert done.completed_at is not None
+        # ξ_sync: how long the completed round waited for its turn, plus the merge itself.
         sync_s = max(now - done.completed_at, 0.0)
+        if self._work_clock is not None:
+            sync_s += max(self._work_clock() - merge_started, 0.0)
         model.commit(done.step, done.fragment, merged)
         self._last_sync_s = sync_s
         self._bcasts.pop(done.fragment, None)

@@ -3,7 +3,8 @@
 Only :meth:`GlobalModel.commit` changes a fragment after initialization, and it swaps in arrays
 that :func:`yeto_sync.merge.merge_round` already produced, so a failed merge leaves everything as
 it was. Arrays are never written in place once stored: broadcasts, final fragments and
-checkpoints may keep referring to them without copies.
+checkpoints may keep referring to them without copies; the :class:`ArrayPool` that new arrays
+come from hands an array out again only after every such reference is gone.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from yeto_proto.constants import IsoBackend
 from yeto_proto.layout import WireFragment, WireLayout
 
 from ..merge import F32Array, LedgerEntry, RoundMerge
+from .arrays import ArrayPool
 
 
 @dataclass(slots=True, eq=False)
@@ -40,8 +42,10 @@ class FragmentSlot:
 class GlobalModel:
     """Global state of one session, created once the session layout is known."""
 
-    def __init__(self, layout: WireLayout) -> None:
+    def __init__(self, layout: WireLayout, learners: int) -> None:
         self.layout = layout
+        #: Where each round's Δ, new params and momentum and decoded pushes come from.
+        self.arrays = ArrayPool(layout, learners)
         self.fragments = [FragmentSlot(geometry) for geometry in layout.fragments]
         self.ledger: dict[int, LedgerEntry] = {}
         #: The last committed round t (0 before the first commit).

@@ -1,7 +1,8 @@
-"""Wire tensors in and out of the coordinator: decode, check, negate once; encode once.
+"""Wire tensors in and out of the coordinator: decode and check once; encode once.
 
-Every incoming tensor becomes exactly one f32 array here (the one copy on a payload's way);
-every outgoing fragment is encoded once per version and shared by all groups it goes to.
+An f32 PUSH stays a view of its receive buffer (the merge folds in the sign of Δ = −d); bf16 and
+q4 pushes are decoded into a recycled array. Every outgoing fragment is encoded once per version
+and shared by all groups it goes to.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from yeto_proto.dtypes import all_finite, decode_tensor, encode_tensor
 from yeto_proto.errors import ErrorCode, RemoteProtocolError
 from yeto_proto.messages import BcastFragment, FinalFragment
 
-from ..merge import F32Array
+from ..merge import Allocate, F32Array
 
 
-def _decode(data: memoryview, dtype: WireDtype, numel: int, *, push: bool) -> F32Array:
+def _decode(
+    data: memoryview, dtype: WireDtype, numel: int, *, push: bool, out: F32Array | None = None
+) -> F32Array:
     try:
-        decoded = decode_tensor(data, dtype, numel, push=push)
+        decoded = decode_tensor(data, dtype, numel, push=push, out=out)
     except (ValueError, TypeError) as exc:  # a codec bug must still surface as a protocol error
         raise RemoteProtocolError(ErrorCode.BAD_TENSOR_LENGTH, str(exc)) from exc
     array: F32Array = np.asarray(decoded, dtype=np.float32).reshape(-1)
@@ -41,14 +44,14 @@ def decode_init(data: memoryview, dtype: WireDtype, numel: int) -> F32Array:
     return array if _owned(array) else array.copy()
 
 
-def decode_outer_gradient(data: memoryview, dtype: WireDtype, numel: int) -> F32Array:
-    """PUSH payload d = local − anchor, returned as the outer gradient Δ = −d (negated once)."""
-    array = _decode(data, dtype, numel, push=True)
-    if _owned(array):
-        np.negative(array, out=array)
-        return array
-    negated: F32Array = np.negative(array)
-    return negated
+def decode_push(data: memoryview, dtype: WireDtype, numel: int, allocate: Allocate) -> F32Array:
+    """PUSH payload d = local − anchor as flat f32, checked finite.
+
+    f32 is a read-only view of the frame (its buffer stays referenced until the round is
+    merged); bf16 and q4 are decoded into ``allocate(numel)``.
+    """
+    out = None if dtype is WireDtype.F32 else allocate(numel)
+    return _decode(data, dtype, numel, push=True, out=out)
 
 
 def bcast_message(fragment: int, version: int, params: F32Array, dtype: WireDtype) -> BcastFragment:

@@ -1,0 +1,44 @@
+"""The syncer's recycled f32 arrays: reused only when nothing refers to them any more."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from yeto_proto.constants import MergeMode
+from yeto_proto.layout import WireFragment, WireLayout
+from yeto_sync.coordinator.arrays import ArrayPool
+
+LAYOUT = WireLayout((WireFragment(MergeMode.AVG, (1 << 16,)), WireFragment(MergeMode.AVG, (64,))))
+
+
+def address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+def test_an_idle_array_is_handed_out_again() -> None:
+    pool = ArrayPool(LAYOUT, learners=2)
+    first = pool.take(1 << 16)
+    assert first.dtype == np.float32 and first.shape == (1 << 16,) and first.flags.writeable
+    where = address(first)
+    del first
+    assert address(pool.take(1 << 16)) == where
+
+
+def test_an_array_still_referenced_even_by_a_view_is_never_reused() -> None:
+    pool = ArrayPool(LAYOUT, learners=2)
+    held = pool.take(1 << 16)
+    held[:] = 7.0
+    view = held[10:20]
+    del held
+    other = pool.take(1 << 16)
+    assert not np.shares_memory(other, view)
+    other[:] = 0.0
+    assert (view == 7.0).all()
+
+
+def test_idle_memory_is_bounded_by_learners_plus_three_fragments() -> None:
+    pool = ArrayPool(LAYOUT, learners=1)
+    held = [pool.take(1 << 16) for _ in range(8)]
+    del held
+    pool.take(64)  # a take lets go of idle arrays beyond the bound
+    assert pool.held_bytes <= (1 + 3) * (1 << 16) * 4 + 64 * 4
