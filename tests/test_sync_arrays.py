@@ -42,3 +42,19 @@ def test_idle_memory_is_bounded_by_learners_plus_three_fragments() -> None:
     del held
     pool.take(64)  # a take lets go of idle arrays beyond the bound
     assert pool.held_bytes <= (1 + 3) * (1 << 16) * 4 + 64 * 4
+
+
+def test_bf16_broadcast_bytes_come_from_the_pool_and_match_the_codec() -> None:
+    from yeto_proto.constants import WireDtype
+    from yeto_proto.dtypes import encode_tensor
+    from yeto_sync.coordinator.tensors import bcast_message
+
+    pool = ArrayPool(LAYOUT, learners=2)
+    params = np.linspace(-3, 3, 1 << 16, dtype=np.float32)
+    message = bcast_message(0, 4, params, WireDtype.BF16, pool.take_bytes)
+    expected = encode_tensor(params, WireDtype.BF16, push=False)
+    assert bytes(message.data) == expected.tobytes()
+    where = address(np.frombuffer(message.data, np.uint8))
+    del message
+    again = bcast_message(0, 5, params * 2, WireDtype.BF16, pool.take_bytes)
+    assert address(np.frombuffer(again.data, np.uint8)) == where  # the sent bytes' buffer again

@@ -1,7 +1,7 @@
 """Recycled f32 arrays for the model's per-round work.
 
 Every round needs fragment-sized arrays: the merged Δ, the new params and momentum, and for bf16
-and q4 sessions each member's decoded push. Fresh 64 MiB arrays are page-faulted in on first
+and q4 sessions each member's decoded push and the broadcast's encoded bytes. Fresh 64 MiB arrays are page-faulted in on first
 touch, which on this class of machine costs as much as the arithmetic itself; reusing the arrays
 of an earlier round whose references are all gone avoids that. "Gone" is read from CPython's
 reference counts by :class:`yeto_proto.buffers.BufferPool`: an array still held by a broadcast
@@ -12,6 +12,7 @@ in flight, a checkpoint being written or any view is never handed out again, so 
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import NDArray
 
 from yeto_proto.buffers import BufferPool
 from yeto_proto.layout import WireLayout
@@ -43,6 +44,10 @@ class ArrayPool:
         """An uninitialized writable f32 array of ``numel`` values."""
         array: F32Array = np.frombuffer(self._bytes.take(numel * _F32_BYTES), dtype=np.float32)
         return array
+
+    def take_bytes(self, nbytes: int) -> NDArray[np.uint8]:
+        """An uninitialized writable byte array (a bf16 broadcast's wire bytes, say)."""
+        return np.frombuffer(self._bytes.take(nbytes), dtype=np.uint8)
 
     @property
     def held_bytes(self) -> int:

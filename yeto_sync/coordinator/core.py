@@ -809,7 +809,9 @@ class Coordinator:
         params, _ = slot.arrays()
         message = self._bcasts.get(fragment)
         if message is None or message.version != slot.version:
-            message = bcast_message(fragment, slot.version, params, session.dtype)
+            message = bcast_message(
+                fragment, slot.version, params, session.dtype, model.arrays.take_bytes
+            )
             self._bcasts[fragment] = message
         for key in targets:
             group = self._registry.get(key)

@@ -7,10 +7,13 @@ and shared by all groups it goes to.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+from numpy.typing import NDArray
 
 from yeto_proto.constants import WireDtype
-from yeto_proto.dtypes import all_finite, decode_tensor, encode_tensor
+from yeto_proto.dtypes import all_finite, decode_tensor, encode_tensor, tensor_nbytes
 from yeto_proto.errors import ErrorCode, RemoteProtocolError
 from yeto_proto.messages import BcastFragment, FinalFragment
 
@@ -54,9 +57,21 @@ def decode_push(data: memoryview, dtype: WireDtype, numel: int, allocate: Alloca
     return _decode(data, dtype, numel, push=True, out=out)
 
 
-def bcast_message(fragment: int, version: int, params: F32Array, dtype: WireDtype) -> BcastFragment:
-    """BCAST in the session's bulk dtype (bf16 for q4 sessions)."""
-    return BcastFragment(fragment, version, encode_tensor(params, dtype, push=False).data)
+def bcast_message(
+    fragment: int,
+    version: int,
+    params: F32Array,
+    dtype: WireDtype,
+    allocate_bytes: Callable[[int], NDArray[np.uint8]] | None = None,
+) -> BcastFragment:
+    """BCAST in the session's bulk dtype (bf16 for q4 sessions).
+
+    f32 is a view of ``params``; bf16 is encoded into ``allocate_bytes(n)`` when given.
+    """
+    out = None
+    if dtype is not WireDtype.F32 and allocate_bytes is not None:
+        out = allocate_bytes(tensor_nbytes(dtype, params.size, push=False))
+    return BcastFragment(fragment, version, encode_tensor(params, dtype, push=False, out=out).data)
 
 
 def final_fragment_message(fragment: int, version: int, params: F32Array) -> FinalFragment:
