@@ -1,12 +1,12 @@
 """Recycled f32 arrays for the model's per-round work.
 
 Every round needs fragment-sized arrays: the merged Δ, the new params and momentum, and for bf16
-and q4 sessions each member's decoded push and the broadcast's encoded bytes. Fresh 64 MiB arrays are page-faulted in on first
-touch, which on this class of machine costs as much as the arithmetic itself; reusing the arrays
-of an earlier round whose references are all gone avoids that. "Gone" is read from CPython's
-reference counts by :class:`yeto_proto.buffers.BufferPool`: an array still held by a broadcast
-in flight, a checkpoint being written or any view is never handed out again, so the model's
-"stored arrays are never written" rule still holds.
+and q4 sessions each member's decoded push and the broadcast's encoded bytes. Fresh 64 MiB
+arrays are page-faulted in on first touch, which on this class of machine costs as much as the
+arithmetic itself; reusing the arrays of an earlier round whose references are all gone avoids
+that. "Gone" is read from CPython's reference counts by :class:`yeto_proto.buffers.BufferPool`:
+an array still held by a broadcast in flight, a checkpoint being written or any view is never
+handed out again, so the model's "stored arrays are never written" rule still holds.
 """
 
 from __future__ import annotations
