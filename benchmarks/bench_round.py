@@ -274,7 +274,9 @@ class BenchLearner:
         sock = socket.create_connection(("127.0.0.1", self.plan.port), timeout=TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sockets.append(sock)
-        self.decoders[sock] = FrameDecoder(Role.LEARNER, limits=self.limits)
+        self.decoders[sock] = FrameDecoder(
+            Role.LEARNER, limits=self.limits, chunk_sink=self.reassembler
+        )
         self.selector.register(sock, selectors.EVENT_READ)
         self.open_sockets += 1
         return sock

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from yeto_proto import (
@@ -386,3 +386,106 @@ def test_ids_completed_out_of_order_are_remembered() -> None:
             reassembler.add(replay)
         assert info.value.code is ErrorCode.CHUNK_OVERLAP
     assert [reassembler.add(c) for c in as_chunks[2]][-1] == BCAST
+
+
+# -- CHUNK data placed by the decoder ------------------------------------------------------------
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, np.uint8).__array_interface__["data"][0])
+
+
+def _striped_streams(message: AnyMessage, streams: int, slice_size: int) -> list[bytes]:
+    """The bytes each of ``streams`` data sockets carries for one striped message."""
+    out = [b""] * streams
+    for striped in ChunkSlicer(streams, slice_size).slice(encode(message)):
+        out[striped.stream_idx] += chunk_bytes(striped)
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.large_base_example])
+@given(
+    streams=st.integers(1, 3),
+    slice_size=st.integers(24, 300),
+    cuts=st.lists(st.integers(1, 97), min_size=1, max_size=8),
+    order=st.randoms(use_true_random=False),
+)
+def test_placed_chunks_reassemble_exactly_as_copied_ones(
+    streams: int, slice_size: int, cuts: list[int], order: object
+) -> None:
+    from yeto_proto import FrameDecoder
+
+    wires = _striped_streams(PUSH, streams, slice_size)
+    reassembler = Reassembler(Role.SYNCER, LIMITS)
+    decoders = [
+        FrameDecoder(Role.SYNCER, limits=LIMITS, enforce_first_frame=False, chunk_sink=reassembler)
+        for _ in wires
+    ]
+    positions = [0] * len(wires)
+    results: list[AnyMessage] = []
+    pending = [i for i, wire in enumerate(wires) if wire]
+    step = itertools.cycle(cuts)
+    while pending:
+        i = order.choice(pending)  # type: ignore[attr-defined]
+        piece = wires[i][positions[i] : positions[i] + next(step)]
+        positions[i] += len(piece)
+        decoders[i].feed(piece)
+        for item in decoders[i].frames():
+            assert isinstance(item, Chunk)
+            done = reassembler.add(item)
+            if done is not None:
+                results.append(done)
+        if positions[i] == len(wires[i]):
+            pending.remove(i)
+    assert results == [PUSH]
+    assert reassembler.pending == 0
+
+
+def test_a_placed_chunk_lands_in_the_message_buffer_without_a_copy() -> None:
+    from yeto_proto import FrameDecoder
+
+    (wire,) = _striped_streams(BCAST, 1, 100)
+    reassembler = Reassembler(Role.LEARNER, LIMITS)
+    decoder = FrameDecoder(Role.LEARNER, limits=LIMITS, chunk_sink=reassembler)
+    decoder.feed(wire[: 13 + 24])  # header and envelope: now the data's place is known
+    target = decoder.writable()
+    assert target is not None and len(target) == 100
+    target[:] = wire[13 + 24 : 13 + 24 + 100]  # as recv_into would
+    decoder.wrote(100)
+    (first,) = decoder.frames()
+    assert isinstance(first, Chunk) and _address(first.data) == _address(target)
+    assert reassembler.add(first) is None
+    decoder.feed(wire[13 + 24 + 100 :])
+    last = None
+    for item in decoder.frames():
+        assert isinstance(item, Chunk)
+        last = reassembler.add(item)
+    assert last == BCAST
+
+
+def test_a_placed_chunk_is_refused_as_soon_as_its_envelope_is_in() -> None:
+    from yeto_proto import FrameDecoder
+
+    (wire,) = _striped_streams(BCAST, 1, 100)
+    reassembler = Reassembler(Role.LEARNER, LIMITS)
+    first, second = (
+        FrameDecoder(Role.LEARNER, limits=LIMITS, chunk_sink=reassembler) for _ in range(2)
+    )
+    first.feed(wire[: 13 + 24 + 10])  # its data is still arriving ...
+    second.feed(wire[: 13 + 24])  # ... when another socket claims the same bytes
+    with pytest.raises(RemoteProtocolError) as caught:
+        second.next_frame()
+    assert caught.value.code is ErrorCode.CHUNK_OVERLAP
+    with pytest.raises(RemoteProtocolError):  # poisoned: raised again
+        second.next_frame()
+
+
+def test_a_copied_chunk_cannot_pass_for_a_placed_one() -> None:
+    # Same msg_id and offset as a reserved chunk but data from elsewhere: an overlap.
+    from yeto_proto import FrameDecoder
+
+    (wire,) = _striped_streams(BCAST, 1, 100)
+    reassembler = Reassembler(Role.LEARNER, LIMITS)
+    decoder = FrameDecoder(Role.LEARNER, limits=LIMITS, chunk_sink=reassembler)
+    decoder.feed(wire[: 13 + 24])
+    msg_id, total, offset = struct.unpack_from("<QQQ", wire, 13)
+    forged = Chunk(msg_id, total, offset, memoryview(wire)[13 + 24 : 13 + 24 + 100])
+    expect(ErrorCode.CHUNK_OVERLAP, reassembler, forged)

@@ -12,6 +12,8 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from .buffers import BufferPool
 from .constants import (
     CHUNK_ENVELOPE_SIZE,
@@ -29,6 +31,11 @@ from .frames import Buffers, decode_payload, header
 from .limits import Limits
 from .messages import AnyMessage, Chunk, as_byte_view
 from .schema import CHUNK_PREFIX, HEADER_STRUCT
+
+
+def _address(view: memoryview) -> int:
+    """Where a byte view's first byte lives (to recognise data already in place)."""
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
 
 
 def _views(buffers: Sequence[bytes | memoryview], start: int, stop: int) -> list[memoryview]:
@@ -84,14 +91,17 @@ class ChunkSlicer:
 
 
 class _Partial:
-    __slots__ = ("total_len", "buffer", "spans", "filled")
+    __slots__ = ("total_len", "buffer", "address", "spans", "filled", "placed")
 
     def __init__(self, total_len: int, buffers: BufferPool) -> None:
         self.total_len = total_len
         # Uninitialized: a message completes only once every byte has been written.
         self.buffer = buffers.take(total_len)
+        self.address = _address(self.buffer)
         self.spans: list[tuple[int, int]] = []  # sorted, disjoint [start, end)
         self.filled = 0
+        #: Offsets handed out by chunk_target whose CHUNK has not come back through add().
+        self.placed: set[int] = set()
 
     def overlaps(self, start: int, end: int) -> bool:
         i = bisect.bisect_left(self.spans, (start, end))
@@ -138,36 +148,75 @@ class Reassembler:
             self._done_floor += 1
 
     def add(self, chunk: Chunk) -> AnyMessage | None:
-        """Take one CHUNK; return the decoded inner message once it is complete."""
+        """Take one CHUNK; return the decoded inner message once it is complete.
+
+        A CHUNK whose data a decoder already wrote in place (see :meth:`chunk_target`) is
+        only counted; any other is checked and copied into its message's buffer.
+        """
         size = len(chunk.data)
+        partial = self._partials.get(chunk.msg_id)
+        end = chunk.offset + size
+        if (
+            partial is not None
+            and chunk.offset in partial.placed
+            and chunk.total_len == partial.total_len
+            and size
+            and _address(chunk.data) == partial.address + chunk.offset
+        ):
+            partial.placed.remove(chunk.offset)
+        else:
+            partial = self._admit(chunk.msg_id, chunk.total_len, chunk.offset, size)
+            partial.buffer[chunk.offset : end] = chunk.data
+            bisect.insort(partial.spans, (chunk.offset, end))
+        partial.filled += size
+        if partial.filled < partial.total_len:
+            return None
+        del self._partials[chunk.msg_id]
+        self._mark_done(chunk.msg_id)
+        return decode_inner_frame(partial.buffer, self.receiver, self.limits)
+
+    def chunk_target(self, msg_id: int, total_len: int, offset: int, size: int) -> memoryview:
+        """Where a decoder may write a CHUNK's ``size`` data bytes straight away.
+
+        Runs every check :meth:`add` runs, as soon as the CHUNK's envelope is known, and
+        reserves the bytes, so an overlapping CHUNK on another socket is refused even before
+        this one's data arrived. Hand the decoded CHUNK to :meth:`add` as usual afterwards.
+        """
+        partial = self._admit(msg_id, total_len, offset, size)
+        bisect.insort(partial.spans, (offset, offset + size))
+        partial.placed.add(offset)
+        return partial.buffer[offset : offset + size]
+
+    def _admit(self, msg_id: int, total_len: int, offset: int, size: int) -> _Partial:
+        """The partial message a new CHUNK goes into, after every rule of spec/striping.md."""
         if size == 0:
-            raise RemoteProtocolError(ErrorCode.CHUNK_EMPTY, f"message {chunk.msg_id}")
-        if chunk.offset + size > chunk.total_len:
+            raise RemoteProtocolError(ErrorCode.CHUNK_EMPTY, f"message {msg_id}")
+        if offset + size > total_len:
             raise RemoteProtocolError(
                 ErrorCode.CHUNK_OUT_OF_BOUNDS,
-                f"message {chunk.msg_id}: {chunk.offset}+{size} > {chunk.total_len}",
+                f"message {msg_id}: {offset}+{size} > {total_len}",
             )
-        if self._is_done(chunk.msg_id):
+        if self._is_done(msg_id):
             raise RemoteProtocolError(
-                ErrorCode.CHUNK_OVERLAP, f"message {chunk.msg_id} was already complete"
+                ErrorCode.CHUNK_OVERLAP, f"message {msg_id} was already complete"
             )
-        partial = self._partials.get(chunk.msg_id)
+        partial = self._partials.get(msg_id)
         if partial is None:
-            if chunk.total_len > self.inner_limit:
+            if total_len > self.inner_limit:
                 raise RemoteProtocolError(
                     ErrorCode.CHUNK_TOTAL_TOO_LARGE,
-                    f"message {chunk.msg_id}: {chunk.total_len} > {self.inner_limit}",
+                    f"message {msg_id}: {total_len} > {self.inner_limit}",
                 )
-            if chunk.total_len < HEADER_SIZE:
+            if total_len < HEADER_SIZE:
                 raise RemoteProtocolError(
-                    ErrorCode.BAD_INNER_FRAME, f"message {chunk.msg_id} shorter than a header"
+                    ErrorCode.BAD_INNER_FRAME, f"message {msg_id} shorter than a header"
                 )
             if len(self._partials) >= self.max_partials:
                 raise RemoteProtocolError(
                     ErrorCode.TOO_MANY_PARTIALS, f"more than {self.max_partials} partial messages"
                 )
             try:
-                partial = _Partial(chunk.total_len, self._buffers)
+                partial = _Partial(total_len, self._buffers)
             except (
                 MemoryError,
                 OverflowError,
@@ -175,27 +224,20 @@ class Reassembler:
             ):  # within the limit, beyond this machine
                 raise RemoteProtocolError(
                     ErrorCode.CHUNK_TOTAL_TOO_LARGE,
-                    f"message {chunk.msg_id}: cannot allocate {chunk.total_len} bytes",
+                    f"message {msg_id}: cannot allocate {total_len} bytes",
                 ) from None
-            self._partials[chunk.msg_id] = partial
-        elif chunk.total_len != partial.total_len:
+            self._partials[msg_id] = partial
+        elif total_len != partial.total_len:
             raise RemoteProtocolError(
                 ErrorCode.CHUNK_TOTAL_CHANGED,
-                f"message {chunk.msg_id}: total {chunk.total_len} != {partial.total_len}",
+                f"message {msg_id}: total {total_len} != {partial.total_len}",
             )
-        end = chunk.offset + size
-        if partial.overlaps(chunk.offset, end):
+        end = offset + size
+        if partial.overlaps(offset, end):
             raise RemoteProtocolError(
-                ErrorCode.CHUNK_OVERLAP, f"message {chunk.msg_id}: bytes {chunk.offset}..{end}"
+                ErrorCode.CHUNK_OVERLAP, f"message {msg_id}: bytes {offset}..{end}"
             )
-        partial.buffer[chunk.offset : end] = chunk.data
-        bisect.insort(partial.spans, (chunk.offset, end))
-        partial.filled += size
-        if partial.filled < partial.total_len:
-            return None
-        del self._partials[chunk.msg_id]
-        self._mark_done(chunk.msg_id)
-        return decode_inner_frame(partial.buffer, self.receiver, self.limits)
+        return partial
 
 
 def decode_inner_frame(

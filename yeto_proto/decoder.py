@@ -11,12 +11,17 @@ DATA_HELLO within 16 MiB. Once that frame is out, bytes that follow wait until t
 
 A fatal error poisons the decoder: it is raised after the frames that preceded it, and again
 on every later call.
+
+With a :class:`ChunkSink` (a :class:`~yeto_proto.chunks.Reassembler`), a CHUNK's data skips a
+copy: once its 24-byte envelope is in, the sink checks it and says where in the reassembled
+message the data goes, and the bytes are written (or ``recv_into``'d) there directly.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
+from typing import Protocol
 
 from .buffers import BufferPool
 from .constants import (
@@ -33,10 +38,19 @@ from .constants import (
 from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from .frames import decode_payload
 from .limits import Limits
-from .messages import AnyMessage, as_byte_view
-from .schema import HEADER_STRUCT
+from .messages import AnyMessage, Chunk, as_byte_view
+from .schema import CHUNK_PREFIX, HEADER_STRUCT
 
 _KNOWN_TYPES = {int(t) for t in FrameType}
+
+
+class ChunkSink(Protocol):
+    """Where CHUNK data goes: checks an envelope and returns the ``size`` bytes to fill.
+
+    Raises :class:`~yeto_proto.errors.RemoteProtocolError` for a CHUNK it refuses.
+    """
+
+    def chunk_target(self, msg_id: int, total_len: int, offset: int, size: int) -> memoryview: ...
 
 
 class DecoderState(enum.Enum):
@@ -130,8 +144,11 @@ class FrameDecoder:
         hello_key: bytes | None = None,
         enforce_first_frame: bool | None = None,
         buffers: BufferPool | None = None,
+        chunk_sink: ChunkSink | None = None,
     ) -> None:
         self.receiver = receiver
+        #: Set it (at any frame boundary) to place CHUNK data straight into reassembly.
+        self.chunk_sink = chunk_sink
         self._buffers = BufferPool() if buffers is None else buffers
         self._limits = limits
         self._num_learners = num_learners
@@ -145,7 +162,9 @@ class FrameDecoder:
         self._frame_type: FrameType | None = None
         self._payload: memoryview | None = None
         self._filled = 0
-        self._ready: deque[tuple[FrameType, memoryview]] = deque()
+        self._ready: deque[tuple[FrameType, memoryview] | Chunk] = deque()
+        #: (msg_id, total_len, offset) of a CHUNK whose data goes to the sink's buffer.
+        self._placing: tuple[int, int, int] | None = None
         self._stash: bytearray | None = None  # bytes waiting for set_limits
         self._error: ProtocolError | None = None
         self._eof = False
@@ -157,7 +176,12 @@ class FrameDecoder:
 
     @property
     def mid_frame(self) -> bool:
-        return bool(self._head) or self._payload is not None or bool(self._stash)
+        return (
+            bool(self._head)
+            or self._payload is not None
+            or self._frame_type is not None
+            or bool(self._stash)
+        )
 
     def set_limits(self, limits: Limits) -> None:
         """Install the session limits; bytes held back since the first frame are decoded now."""
@@ -185,16 +209,18 @@ class FrameDecoder:
         pos, end = 0, len(view)
         while pos < end:
             if self._payload is None:
-                take = min(HEADER_SIZE - len(self._head), end - pos)
+                take = min(self._head_size() - len(self._head), end - pos)
                 self._head += view[pos : pos + take]
                 pos += take
-                if len(self._head) < HEADER_SIZE:
+                if len(self._head) < self._head_size():
                     return
                 try:
                     self._start_frame()
                 except ProtocolError as exc:
                     self._error = exc
                     return
+                if self._payload is None:  # a CHUNK's envelope is next
+                    continue
             else:
                 assert self._payload is not None
                 take = min(len(self._payload) - self._filled, end - pos)
@@ -210,8 +236,17 @@ class FrameDecoder:
     def _awaiting_limits(self) -> bool:
         return self.receiver is Role.SYNCER and self._limits is None and not self._first_pending
 
+    def _head_size(self) -> int:
+        """Bytes read before a payload starts: the header, plus the envelope when placing."""
+        if self._frame_type is FrameType.CHUNK and self.chunk_sink is not None:
+            return HEADER_SIZE + CHUNK_ENVELOPE_SIZE
+        return HEADER_SIZE
+
     def _start_frame(self) -> None:
-        magic, raw_type, length = HEADER_STRUCT.unpack(self._head)
+        if self._frame_type is not None:  # the CHUNK envelope is in: ask where the data goes
+            self._start_placed_chunk()
+            return
+        magic, raw_type, length = HEADER_STRUCT.unpack_from(self._head)
         self._frame_type = check_header(
             magic,
             raw_type,
@@ -220,6 +255,8 @@ class FrameDecoder:
             limits=self._limits,
             first_frame=self._first_pending,
         )
+        if self._head_size() > HEADER_SIZE:
+            return
         try:
             # Uninitialized: every byte is written by the peer's data before anyone reads it.
             self._payload = self._buffers.take(length)
@@ -227,6 +264,16 @@ class FrameDecoder:
             raise RemoteProtocolError(
                 ErrorCode.FRAME_TOO_LARGE, f"cannot allocate {length} bytes"
             ) from None
+        self._filled = 0
+
+    def _start_placed_chunk(self) -> None:
+        assert self.chunk_sink is not None
+        length = HEADER_STRUCT.unpack_from(self._head)[2]
+        msg_id, total_len, offset = CHUNK_PREFIX.unpack_from(self._head, HEADER_SIZE)
+        self._payload = self.chunk_sink.chunk_target(
+            msg_id, total_len, offset, length - CHUNK_ENVELOPE_SIZE
+        )
+        self._placing = (msg_id, total_len, offset)
         self._filled = 0
 
     # -- direct reads ----------------------------------------------------------------------
@@ -251,7 +298,11 @@ class FrameDecoder:
 
     def _finish_frame(self) -> None:
         assert self._frame_type is not None and self._payload is not None
-        self._ready.append((self._frame_type, self._payload))
+        if self._placing is not None:
+            self._ready.append(Chunk(*self._placing, data=self._payload))
+            self._placing = None
+        else:
+            self._ready.append((self._frame_type, self._payload))
         self._head.clear()
         self._payload = None
         self._frame_type = None
@@ -260,7 +311,10 @@ class FrameDecoder:
     # -- output ----------------------------------------------------------------------------
     def next_frame(self) -> AnyMessage | DecoderState:
         if self._ready:
-            frame_type, payload = self._ready.popleft()
+            item = self._ready.popleft()
+            if isinstance(item, Chunk):
+                return item
+            frame_type, payload = item
             try:
                 return decode_payload(
                     frame_type,

@@ -127,13 +127,16 @@ class ConnectionGroup:
         slice_size: int = CHUNK_SLICE_SIZE,
         stall_timeout: float = SEND_STALL_TIMEOUT_S,
     ) -> None:
+        self._reassembler = Reassembler(Role.LEARNER, limits)
+        # CHUNK data is written straight into the reassembled message (no second copy).
         self._streams = [
-            _Stream(i, sock, FrameDecoder(Role.LEARNER, limits=limits))
+            _Stream(
+                i, sock, FrameDecoder(Role.LEARNER, limits=limits, chunk_sink=self._reassembler)
+            )
             for i, sock in enumerate(sockets)
         ]
         data_streams = len(sockets) - 1
         self._slicer = ChunkSlicer(data_streams, slice_size) if data_streams else None
-        self._reassembler = Reassembler(Role.LEARNER, limits)
         self._deliver = deliver
         self._counters = counters
         self._buffer = recv_buffer

@@ -311,6 +311,7 @@ class ConnectionGroups:
         self._groups[key] = group
         del self._unsettled[conn]
         sock.phase, sock.group, sock.deadline = Phase.MEMBER, key, None
+        sock.decoder.chunk_sink = group.reassembler  # CHUNK data lands in place, uncopied
         sock.decoder.set_limits(limits)
         if num_streams == 0:
             self._make_ready(group)
@@ -488,6 +489,7 @@ class ConnectionGroups:
         del self._unsettled[sock.conn]
         sock.phase, sock.group, sock.stream_idx = Phase.MEMBER, group.key, index
         sock.deadline, sock.claim = None, None
+        sock.decoder.chunk_sink = group.reassembler
         sock.decoder.set_limits(group.limits)
         if len(group.data) == group.num_streams:
             self._make_ready(group)
