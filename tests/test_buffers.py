@@ -16,7 +16,7 @@ def _address(view: memoryview) -> int:
 
 
 def test_a_released_buffer_is_handed_out_again() -> None:
-    pool = BufferPool()
+    pool = BufferPool(min_size=1)
     first = pool.take(1000)
     at = _address(first)
     del first
@@ -24,7 +24,7 @@ def test_a_released_buffer_is_handed_out_again() -> None:
 
 
 def test_a_buffer_with_a_live_view_is_never_reused() -> None:
-    pool = BufferPool()
+    pool = BufferPool(min_size=1)
     first = pool.take(1000)
     derived = np.frombuffer(first[10:20], dtype=np.uint8)  # a view of a slice of the buffer
     at = _address(first)
@@ -37,7 +37,7 @@ def test_a_buffer_with_a_live_view_is_never_reused() -> None:
 
 
 def test_sizes_far_from_the_request_are_not_reused() -> None:
-    pool = BufferPool()
+    pool = BufferPool(min_size=1)
     big = pool.take(10_000)
     at = _address(big)
     del big
@@ -45,15 +45,24 @@ def test_sizes_far_from_the_request_are_not_reused() -> None:
 
 
 def test_idle_memory_is_bounded() -> None:
-    pool = BufferPool(max_tracked=8, max_idle_bytes=3000)
+    pool = BufferPool(max_tracked=8, max_idle_bytes=3000, min_size=1)
     for size in (1000, 2000, 4000, 8000):
         pool.take(size)  # each released at once
     assert pool.tracked_bytes <= 3000 + 8000
 
 
+def test_a_small_buffer_between_two_big_ones_does_not_evict_the_idle_big_one() -> None:
+    pool = BufferPool(max_idle_bytes=1 << 20)  # below the big buffer: idle ones beyond go
+    big = pool.take(2 << 20)
+    at = _address(big)
+    del big
+    pool.take(100)  # a control frame: not pooled, so the idle big buffer stays
+    assert _address(pool.take(2 << 20)) == at
+
+
 def test_absurd_sizes_fail_before_allocating() -> None:
     with pytest.raises(MemoryError):
-        BufferPool().take(ALLOCATION_CEILING + 1)
+        BufferPool(min_size=1).take(ALLOCATION_CEILING + 1)
 
 
 def test_decoded_messages_keep_their_bytes_while_later_frames_arrive() -> None:

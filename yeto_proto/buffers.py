@@ -18,6 +18,8 @@ from numpy.typing import NDArray
 
 from .constants import ALLOCATION_CEILING
 
+#: Below this many bytes (by default) a buffer is not pooled.
+SMALL_BUFFER = 64 << 10
 #: References a buffer has while only the pool holds it: the pool's list and getrefcount's own.
 _IDLE_REFERENCES = 2
 _CAN_COUNT = hasattr(sys, "getrefcount")
@@ -27,11 +29,15 @@ class BufferPool:
     """Hands out uninitialized byte buffers, reusing idle ones of a fitting size.
 
     ``max_tracked`` bounds how many buffers the pool watches; ``max_idle_bytes`` bounds how much
-    idle memory it keeps for reuse (idle buffers beyond it are let go).
+    idle memory it keeps for reuse (idle buffers beyond it are let go); requests below
+    ``min_size`` bytes are plain allocations.
     """
 
-    def __init__(self, max_tracked: int = 8, max_idle_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self, max_tracked: int = 8, max_idle_bytes: int = 64 << 20, min_size: int = SMALL_BUFFER
+    ) -> None:
         self.max_tracked = max_tracked
+        self.min_size = min_size
         self.max_idle_bytes = max_idle_bytes
         self._tracked: list[NDArray[np.uint8]] = []
 
@@ -42,7 +48,10 @@ class BufferPool:
         """
         if size > ALLOCATION_CEILING:
             raise MemoryError(size)
-        if not _CAN_COUNT or size == 0:
+        if not _CAN_COUNT or size < self.min_size or size == 0:
+            # Small buffers come from malloc's heap, which recycles them for free; keeping them
+            # out of the pool also means a control frame between two big frames never makes
+            # the pool let go of the big idle buffer the next big frame wants.
             return np.empty(size, dtype=np.uint8).data
         reuse: NDArray[np.uint8] | None = None
         idle_bytes = 0
