@@ -276,6 +276,8 @@ def test_cutoff_then_consolidation_restart(tmp_path: Path, dtype: WireDtype) -> 
     (record,) = [r for r in cutoff_tape if r.get("event") == "budget_cutoff"]
     assert record["complete"] and record["step"] == c
     assert "budget cutoff at global step 2" in cutoff.stderr
+    last_line = cutoff.stderr.strip().splitlines()[-1]
+    assert "recovery checkpoint (unmarked" in last_line and "global_step 2" in last_line
 
     restart_flags = [*common_flags(tmp_path, "tape"), "--resume", f"--total-steps={c + F}"]
     with Daemon(*restart_flags) as restart:

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.typing import ArrayLike, NDArray
 
-from yeto_proto.constants import IsoBackend, MergeMode
+from yeto_proto.constants import IsoBackend, MergeMode, WireDtype
 from yeto_proto.identity import DeltaCorrection, LearnerWeight
 from yeto_proto.layout import WireFragment
 from yeto_sync import merge as merge_module
@@ -831,3 +831,39 @@ def test_overflowing_outer_step_is_refused_all_or_nothing() -> None:
     params, momentum = f32([-3e38, 0.0, 0.0]), f32([3e38, 0.0, 0.0])
     with pytest.raises(MergeError, match="non-finite parameters or momentum"):
         merge_round(geometry, rs, params, momentum, {}, NO_CORRECTION)
+
+
+@pytest.mark.parametrize("dtype", [WireDtype.BF16, WireDtype.Q4])
+@pytest.mark.parametrize(
+    ("mode", "config"),
+    [
+        (MergeMode.AVG, NO_CORRECTION),
+        (MergeMode.AVG, MergeConfig()),
+        (MergeMode.RDA, NO_CORRECTION),
+    ],
+)
+def test_wire_form_pushes_merge_to_the_bits_of_decoded_ones(
+    dtype: WireDtype, mode: MergeMode, config: MergeConfig
+) -> None:
+    import yeto_sync.merge as merge_module
+    from yeto_proto.dtypes import decode_tensor, encode_tensor
+    from yeto_proto.wire_tensor import WireTensor
+
+    n = 2 * merge_module._BLOCK + 1000  # several blocks and a ragged q4 tail
+    geometry = fragment(mode, (1, n - 600), (1, 600))
+    pushes = random_grads(41, 3, n, scale=1e-2)
+    params, momentum = random_grads(42, 2, n, scale=1e-1)
+    wire = [encode_tensor(d, dtype, push=True) for d in pushes]
+    as_wire = [
+        Response(i, 1, 2 + i, 100 * (i + 1), WireTensor(w, dtype, n, push=True))
+        for i, w in enumerate(wire)
+    ]
+    as_arrays = [
+        Response(i, 1, 2 + i, 100 * (i + 1), decode_tensor(w, dtype, n, push=True))
+        for i, w in enumerate(wire)
+    ]
+    got = merge_round(geometry, as_wire, params, momentum, {}, config)
+    want = merge_round(geometry, as_arrays, params, momentum, {}, config)
+    assert_bits(got.params, want.params)
+    assert_bits(got.momentum, want.momentum)
+    assert got.gnorm == want.gnorm

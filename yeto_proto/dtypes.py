@@ -325,6 +325,19 @@ def _q4_decode_blocks(
     np.multiply(by_block, scales[:, None], out=by_block)
 
 
+def _validated_q4_scales(raw: NDArray[np.uint8], blocks: int) -> NDArray[np.float32]:
+    """Every block's scale, or ``BAD_Q4_SCALE`` for the first NaN, infinite or negative one."""
+    by_block = raw.reshape(blocks, Q4_BLOCK_BYTES)
+    scales = np.ascontiguousarray(by_block[:, :4]).view(_F32).reshape(blocks)
+    valid = (scales >= 0) & (scales < np.inf)  # false for NaN, inf and negatives; -0.0 passes
+    if not valid.all():
+        block = int(np.argmin(valid))
+        raise RemoteProtocolError(
+            ErrorCode.BAD_Q4_SCALE, f"q4 block {block} has scale {float(scales[block])!r}"
+        )
+    return scales
+
+
 def q4_decode(
     buf: BytesLike, numel: int, *, out: NDArray[np.float32] | None = None
 ) -> NDArray[np.float32]:
@@ -343,14 +356,7 @@ def q4_decode(
             f"q4 data for {numel} values must be {expected} bytes, got {raw.size}",
         )
     blocks = expected // Q4_BLOCK_BYTES
-    by_block = raw.reshape(blocks, Q4_BLOCK_BYTES)
-    scales = np.ascontiguousarray(by_block[:, :4]).view(_F32).reshape(blocks)
-    valid = (scales >= 0) & (scales < np.inf)  # false for NaN, inf and negatives; -0.0 passes
-    if not valid.all():
-        block = int(np.argmin(valid))
-        raise RemoteProtocolError(
-            ErrorCode.BAD_Q4_SCALE, f"q4 block {block} has scale {float(scales[block])!r}"
-        )
+    scales = _validated_q4_scales(raw, blocks)
     result = _output(out, _F32, numel)
     dest = _flat(result)
     codes = raw.view(_U16).reshape(blocks, Q4_BLOCK_BYTES // 2)[:, 2:]

@@ -390,5 +390,10 @@ def _kept_state(driver: Driver) -> str:
     kept = driver.last_checkpoint
     if kept is None:
         return "no checkpoint was written"
-    kind = "final checkpoint" if kept.final else "last durable checkpoint"
+    if kept.recovery:
+        kind = "recovery checkpoint (unmarked: not a final cut)"
+    elif kept.final:
+        kind = "final checkpoint"
+    else:
+        kind = "last durable checkpoint"
     return f"{kind} {kept.path} at global_step {kept.global_step}"

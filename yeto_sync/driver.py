@@ -133,6 +133,7 @@ class DurableCheckpoint:
     path: Path
     global_step: int
     final: bool
+    recovery: bool = False
 
 
 class Driver:
@@ -198,8 +199,8 @@ class Driver:
                 self._log(level, text, fields)
             case AppendTape(record=record):
                 self._append_tape(record)
-            case WriteCheckpoint(state=state, final=final):
-                await self._write_checkpoint(state, final)
+            case WriteCheckpoint(state=state, final=final, recovery=recovery):
+                await self._write_checkpoint(state, final, recovery)
             case WriteFinalMarker(global_step=step):
                 await self._write_marker(step)
             case WriteFinalState(state=state):
@@ -280,7 +281,7 @@ class Driver:
         self._tape.write(line + "\n")
         self._tape.flush()
 
-    async def _write_checkpoint(self, state: object, final: bool) -> None:
+    async def _write_checkpoint(self, state: object, final: bool, recovery: bool) -> None:
         path = self.outputs.checkpoint_path
         if path is None:
             self._log("error", "checkpoint requested without --checkpoint-path", {})
@@ -290,7 +291,7 @@ class Driver:
         if not await self._iso_pool_allows("checkpoint"):
             return
         if await self._write_file("checkpoint", write_checkpoint, path, state):
-            self.last_checkpoint = DurableCheckpoint(path, state.global_step, final)
+            self.last_checkpoint = DurableCheckpoint(path, state.global_step, final, recovery)
             self._log(
                 "info",
                 "checkpoint written",

@@ -106,7 +106,10 @@ class WriteCheckpoint:
     """Write a V3 checkpoint atomically; durable before the next action runs."""
 
     state: Any  # yeto_proto checkpoint value; typed by the checkpoint module
+    #: The terminal write of a run (the iso pool is drained before it).
     final: bool = False
+    #: A budget cutoff's unmarked recovery checkpoint (terminal, but not a final cut).
+    recovery: bool = False
 
 
 @dataclass(frozen=True, slots=True)

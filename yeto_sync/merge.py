@@ -37,9 +37,12 @@ from numpy.typing import NDArray
 from yeto_proto.constants import IsoBackend, MergeMode
 from yeto_proto.identity import DeltaCorrection, LearnerWeight
 from yeto_proto.layout import WireFragment
+from yeto_proto.wire_tensor import WireTensor
 
 F32Array = NDArray[np.float32]
 F64Array = NDArray[np.float64]
+#: A PUSH payload: f32 values, or the bf16/q4 wire bytes they decode from.
+Pushed = F32Array | WireTensor
 #: Hands out an uninitialized flat f32 array of the given length (a pool, or :func:`_fresh`).
 Allocate = Callable[[int], F32Array]
 
@@ -85,8 +88,10 @@ class MergeError(Exception):
 class Response:
     """One learner's accepted contribution to one round.
 
-    ``pushed`` is the PUSH payload d_m = local − anchor of the whole fragment, flat f32, exactly
-    as the learner sent it (for f32 sessions a view of the receive buffer). The outer gradient is
+    ``pushed`` is the PUSH payload d_m = local − anchor of the whole fragment, exactly as the
+    learner sent it: flat f32 (for f32 sessions a view of the receive buffer), or for bf16 and
+    q4 a :class:`~yeto_proto.wire_tensor.WireTensor` of the received bytes, which the merge
+    decodes block by block (an avg round never holds a decoded copy). The outer gradient is
     Δ_m = −d_m; the merge folds that sign into its arithmetic (``x − c·d`` is bit for bit
     ``x + c·(−d)`` in IEEE 754, signed zeros included) instead of negating a 64 MiB copy per
     push. ``pushed`` is read, never written.
@@ -96,7 +101,7 @@ class Response:
     generation: int
     c_steps: int
     c_tokens: int
-    pushed: F32Array
+    pushed: Pushed
 
     def __post_init__(self) -> None:
         if self.learner_id < 0 or self.generation < 1:
@@ -104,8 +109,10 @@ class Response:
         if self.c_steps < 1 or self.c_tokens < 0:
             raise ValueError(f"bad counters c_steps={self.c_steps} c_tokens={self.c_tokens}")
         values = self.pushed
+        if isinstance(values, WireTensor):
+            return
         if not isinstance(values, np.ndarray) or values.dtype != np.float32 or values.ndim != 1:
-            raise ValueError("pushed must be a flat float32 numpy array")
+            raise ValueError("pushed must be a flat float32 numpy array or a WireTensor")
 
     @classmethod
     def from_outer_gradient(
@@ -118,12 +125,23 @@ class Response:
     def outer_gradient(self, allocate: Allocate | None = None) -> F32Array:
         """Δ_m = −d_m as a new array (from ``allocate`` when given)."""
         grad = _fresh(self.pushed.size) if allocate is None else allocate(self.pushed.size)
-        np.negative(self.pushed, out=grad)
+        np.negative(_as_array(self.pushed, grad), out=grad)
         return grad
+
+    def pushed_array(self, allocate: Allocate) -> F32Array:
+        """d_m as an f32 array: itself, or decoded into ``allocate(numel)`` from its wire bytes."""
+        if isinstance(self.pushed, WireTensor):
+            return self.pushed.decode(out=allocate(self.pushed.size))
+        return self.pushed
 
     @property
     def member(self) -> tuple[int, int]:
         return (self.learner_id, self.generation)
+
+
+def _as_array(values: Pushed, out: F32Array) -> F32Array:
+    """``values`` as an array, decoding a wire tensor into ``out`` if need be."""
+    return values.decode(out=out) if isinstance(values, WireTensor) else values
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,10 +329,20 @@ def _tensor_slices(geometry: FragmentGeometry) -> list[slice]:
 
 
 class Term(NamedTuple):
-    """One learner's contribution to a sum: ``values`` is Δ, or d = −Δ when ``negated``."""
+    """One learner's contribution to a sum: ``values`` is Δ, or d = −Δ when ``negated``.
 
-    values: F32Array
+    Only a plain sum's terms (:func:`_accumulate_block`) may hold a :class:`WireTensor`.
+    """
+
+    values: Pushed
     negated: bool
+
+    @property
+    def array(self) -> F32Array:
+        """The values of a term that is known to hold an array (corrections, rda, iso)."""
+        if isinstance(self.values, WireTensor):
+            raise TypeError("a wire-form term reached a whole-tensor step")
+        return self.values
 
 
 def _accumulate_block(
@@ -328,7 +356,13 @@ def _accumulate_block(
     """part = Σ f32(coef)·Δ over one block, accumulated in f32 from +0.0 in the given order."""
     part.fill(0.0)
     for term, factor in zip(terms, factors, strict=True):
-        np.multiply(term.values[start:stop], factor, out=scratch)
+        values = term.values
+        if isinstance(values, WireTensor):
+            # Decoded block by block, into the cache-resident scratch (same f32 values).
+            values.decode_range(start, stop, scratch)
+            np.multiply(scratch, factor, out=scratch)
+        else:
+            np.multiply(values[start:stop], factor, out=scratch)
         # part − c·d is bit for bit part + c·(−d): subtraction adds the exact negation.
         (np.subtract if term.negated else np.add)(part, scratch, out=part)
 
@@ -390,7 +424,7 @@ def heloco_correct(delta: F32Array, momentum: F32Array) -> F32Array:
     """
     if delta.shape != momentum.shape:
         raise ValueError(f"delta {delta.shape} and momentum {momentum.shape} differ")
-    return _heloco(Term(delta, False), momentum, _norm(momentum)).values
+    return _heloco(Term(delta, False), momentum, _norm(momentum)).array
 
 
 def _heloco(term: Term, momentum: F32Array, momentum_norm: float) -> Term:
@@ -402,7 +436,7 @@ def _heloco(term: Term, momentum: F32Array, momentum_norm: float) -> Term:
     # ‖m‖ is shared by every learner of a tensor: the caller computes it once.
     if momentum_norm < HELOCO_EPS:
         return term
-    delta_squares, dot = _sum_of_squares_and_dot(term.values, momentum)
+    delta_squares, dot = _sum_of_squares_and_dot(term.array, momentum)
     sign = -1.0 if term.negated else 1.0
     dot *= sign
     delta_norm = math.sqrt(delta_squares)
@@ -417,15 +451,15 @@ def _heloco(term: Term, momentum: F32Array, momentum_norm: float) -> Term:
         # Δ − β·c·‖Δ‖·v̂ with v̂ = m/‖m‖, folded into one f32 coefficient on m.
         coef = np.float32(-beta * cosine * delta_norm / momentum_norm)
         shrunk: F32Array = np.multiply(momentum, coef)
-        (np.subtract if term.negated else np.add)(shrunk, term.values, out=shrunk)
+        (np.subtract if term.negated else np.add)(shrunk, term.array, out=shrunk)
         return Term(shrunk, False)
     mix = min(HELOCO_K_D * (1.0 - cosine) * confidence, 1.0)
     # ũ = (1−λ)û + λv̂ in f64, rounded to f32, then scaled back to the original magnitude
     # ‖Δ‖·ũ/max(‖ũ‖, ε) with ‖ũ‖ taken from the f64 values.
     delta_weight, momentum_weight = sign * (1.0 - mix) / delta_norm, mix / momentum_norm
-    rotated = np.empty_like(term.values)
+    rotated = np.empty_like(term.array)
     squares = 0.0
-    for part, (x, y) in _widened(term.values, momentum):
+    for part, (x, y) in _widened(term.array, momentum):
         np.multiply(x, delta_weight, out=x)
         np.multiply(y, momentum_weight, out=y)
         np.add(x, y, out=x)
@@ -468,7 +502,7 @@ def _check_round_inputs(
     if momentum.shape != (numel,) or momentum.dtype != np.float32:
         raise ValueError(f"momentum must be float32 of shape ({numel},)")
     for response in ordered:
-        if response.pushed.shape != (numel,):
+        if response.pushed.size != numel:
             raise ValueError(
                 f"learner {response.member} sent {response.pushed.size} values, "
                 f"fragment has {numel}"
@@ -497,19 +531,24 @@ def _merge(
     if not weight_sum > 0.0:
         return [], []
     avg_coefs = [w / weight_sum for w in weights]
+    mode = geometry.merge_mode
+    heloco = config.delta_correction is DeltaCorrection.HELOCO
+    if mode is MergeMode.AVG and not heloco:
+        return [Term(r.pushed, True) for r in ordered], avg_coefs
+    # Corrections and rda/iso look at whole tensors: wire-form pushes are decoded here.
+    pushed = [r.pushed_array(allocate) for r in ordered]
     slices = _tensor_slices(geometry)
-    per_tensor = [[Term(r.pushed[part], True) for r in ordered] for part in slices]
+    per_tensor = [[Term(d[part], True) for d in pushed] for part in slices]
     corrected = False
-    if config.delta_correction is DeltaCorrection.HELOCO:
+    if heloco:
         for part, terms in zip(slices, per_tensor, strict=True):
             tensor_momentum = momentum[part]
             momentum_norm = _norm(tensor_momentum)
             for m, term in enumerate(terms):
                 terms[m] = _heloco(term, tensor_momentum, momentum_norm)
                 corrected = corrected or terms[m] is not term
-    mode = geometry.merge_mode
     if mode is MergeMode.AVG and not corrected:
-        return [Term(r.pushed, True) for r in ordered], avg_coefs
+        return [Term(d, True) for d in pushed], avg_coefs
     merged = allocate(geometry.numel)
     outs = [merged[part] for part in slices]
     if mode is MergeMode.RDA:
@@ -530,7 +569,7 @@ def _rda_into(
     weight_sum: float,
     avg_coefs: Sequence[float],
 ) -> None:
-    norms = [_norm(t.values) for t in terms]
+    norms = [_norm(t.array) for t in terms]
     radial = _sequential_sum(w * n for w, n in zip(weights, norms, strict=True)) / weight_sum
     moving = [
         (t, w / weight_sum / n) for t, w, n in zip(terms, weights, norms, strict=True) if n > 0.0

@@ -1,12 +1,13 @@
 """Recycled f32 arrays for the model's per-round work.
 
-Every round needs fragment-sized arrays: the merged Δ, the new params and momentum, and for bf16
-and q4 sessions each member's decoded push and the broadcast's encoded bytes. Fresh 64 MiB
-arrays are page-faulted in on first touch, which on this class of machine costs as much as the
-arithmetic itself; reusing the arrays of an earlier round whose references are all gone avoids
-that. "Gone" is read from CPython's reference counts by :class:`yeto_proto.buffers.BufferPool`:
-an array still held by a broadcast in flight, a checkpoint being written or any view is never
-handed out again, so the model's "stored arrays are never written" rule still holds.
+Every round needs fragment-sized arrays: the new params and momentum, the merged Δ of rounds
+that store it (rda, iso, corrections), decoded pushes for those, and bf16 broadcast bytes.
+Fresh 64 MiB arrays are page-faulted in on first touch, which on this class of machine costs
+as much as the arithmetic itself; reusing the arrays of an earlier round whose references are
+all gone avoids that. "Gone" is read from CPython's reference counts by
+:class:`yeto_proto.buffers.BufferPool`: an array still held by a broadcast in flight, a
+checkpoint being written or any view is never handed out again, so the model's "stored arrays
+are never written" rule still holds.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ class ArrayPool:
     """Hands out uninitialized flat f32 arrays, reusing idle ones of a fitting size.
 
     Sized for one session: it keeps at most ``learners + 3`` largest-fragment arrays idle
-    (one decoded push per member, plus one round's Δ, params and momentum), so the memory it
-    holds back is bounded by what a round needs anyway.
+    (a decoded push per member where a round needs them, plus one round's Δ, params and
+    momentum), so the memory it holds back is bounded by what a round needs anyway.
     """
 
     def __init__(self, layout: WireLayout, learners: int) -> None:

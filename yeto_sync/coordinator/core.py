@@ -410,10 +410,7 @@ class Coordinator:
         model, session = self._require_model(), self._require_session()
         try:
             pushed = decode_push(
-                push.data,
-                session.dtype,
-                model.fragments[target.fragment].geometry.numel,
-                model.arrays.take,
+                push.data, session.dtype, model.fragments[target.fragment].geometry.numel
             )
         except ProtocolError as exc:
             self._close_group(
@@ -553,7 +550,7 @@ class Coordinator:
             return
         # ``final`` asks for the terminal write path (the iso pool is drained first); the
         # cutoff never writes the final marker.
-        out.append(WriteCheckpoint(self._snapshot(session), final=True))
+        out.append(WriteCheckpoint(self._snapshot(session), final=True, recovery=True))
         out.append(AppendTape(cutoff_record(cutoff, model.global_step, model.versions)))
         if cutoff.complete:
             self._finish(

@@ -1,8 +1,8 @@
 """Wire tensors in and out of the coordinator: decode and check once; encode once.
 
-An f32 PUSH stays a view of its receive buffer (the merge folds in the sign of Δ = −d); bf16 and
-q4 pushes are decoded into a recycled array. Every outgoing fragment is encoded once per version
-and shared by all groups it goes to.
+A PUSH stays in its receive buffer: f32 as an array view (the merge folds in the sign of
+Δ = −d), bf16 and q4 as wire bytes the merge decodes block by block. Every outgoing fragment is
+encoded once per version (into a recycled buffer) and shared by all groups it goes to.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from yeto_proto.constants import WireDtype
 from yeto_proto.dtypes import all_finite, decode_tensor, encode_tensor, tensor_nbytes
 from yeto_proto.errors import ErrorCode, RemoteProtocolError
 from yeto_proto.messages import BcastFragment, FinalFragment
+from yeto_proto.wire_tensor import WireTensor
 
-from ..merge import Allocate, F32Array
+from ..merge import F32Array, Pushed
 
 
 def _decode(
@@ -47,14 +48,22 @@ def decode_init(data: memoryview, dtype: WireDtype, numel: int) -> F32Array:
     return array if _owned(array) else array.copy()
 
 
-def decode_push(data: memoryview, dtype: WireDtype, numel: int, allocate: Allocate) -> F32Array:
-    """PUSH payload d = local − anchor as flat f32, checked finite.
+def decode_push(data: memoryview, dtype: WireDtype, numel: int) -> Pushed:
+    """PUSH payload d = local − anchor, checked: length, q4 scales, finiteness.
 
-    f32 is a read-only view of the frame (its buffer stays referenced until the round is
-    merged); bf16 and q4 are decoded into ``allocate(numel)``.
+    f32 is a read-only array view of the frame; bf16 and q4 stay in their wire bytes (a
+    :class:`WireTensor`, decoded block by block by the merge). Either way the frame's buffer
+    stays referenced until the round is merged, and nothing fragment-sized is allocated.
     """
-    out = None if dtype is WireDtype.F32 else allocate(numel)
-    return _decode(data, dtype, numel, push=True, out=out)
+    if dtype is WireDtype.F32:
+        return _decode(data, dtype, numel, push=True)
+    try:
+        pushed = WireTensor(data, dtype, numel, push=True)
+    except (ValueError, TypeError) as exc:  # a codec bug must still surface as a protocol error
+        raise RemoteProtocolError(ErrorCode.BAD_TENSOR_LENGTH, str(exc)) from exc
+    if not pushed.all_finite():
+        raise RemoteProtocolError(ErrorCode.NON_FINITE_VALUE, "tensor holds NaN or inf")
+    return pushed
 
 
 def bcast_message(
