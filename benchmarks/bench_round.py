@@ -45,6 +45,7 @@ import contextlib
 import datetime
 import importlib
 import io
+import json
 import multiprocessing
 import os
 import platform
@@ -315,7 +316,8 @@ class BenchLearner:
                 if size:
                     decoder.wrote(size)
             else:
-                size = self.link.recv_into(sock, self.view)
+                wanted = decoder.header_wanted() or RECV_BUFFER  # just a header after bulk
+                size = self.link.recv_into(sock, self.view[:wanted])
                 decoder.feed(self.view[:size])
         except ConnectionResetError:
             size = 0
@@ -545,6 +547,8 @@ class RoundResult:
     latencies: list[float]
     #: Median first PULL receipt → last PUSH written (pull, encode, upload).
     push_s: float
+    #: Median ξ_sync of the event tape: the syncer's own merge + commit time per round.
+    sync_s: float
     bytes_in: int  # learners → syncer, per round
     bytes_out: int  # syncer → learners, per round
     peak_rss_mib: float
@@ -563,7 +567,9 @@ def run_yeto(
     warmup = 1
     total = warmup + rounds
     with tempfile.TemporaryDirectory(prefix="bench-round-") as tmp:
-        daemon = Daemon(daemon_flags(learners, total, pipeline=1), Path(tmp), profile=profile)
+        tape = Path(tmp) / "tape.jsonl"
+        flags = [*daemon_flags(learners, total, pipeline=1), f"--event-tape={tape}"]
+        daemon = Daemon(flags, Path(tmp), profile=profile)
         pipes: list[Connection] = []
         processes = []
         try:
@@ -583,6 +589,8 @@ def run_yeto(
             code = daemon.wait()
             if code != 0:
                 raise RuntimeError(f"yeto-sync exited {code}:\n{daemon.log_tail()}")
+            records = [json.loads(line) for line in tape.read_text().splitlines()]
+            sync_ms = {r["step"]: r["sync_ms"] for r in records if "event" not in r}
         finally:
             daemon.kill()
             for process in processes:
@@ -604,6 +612,7 @@ def run_yeto(
         statistics.median(latencies),
         latencies,
         statistics.median(push_phase),
+        statistics.median(sync_ms[t] for t in steps) / 1000,
         int(bytes_in),
         int(bytes_out),
         peak_kib / 1024,
@@ -1010,17 +1019,17 @@ def rounds_part(args: argparse.Namespace, tables: Tables, throttled: bool) -> di
         f"One fragment of {numel:,} f32 values ({frag_bytes / MIB:.0f} MiB), pipeline 1, quorum "
         f"M, delta correction none; median of {args.rounds} rounds after 1 warm-up. Round t = "
         "first learner holding both PULL t and BCAST t−1 → last learner's receipt of BCAST t; "
-        "push = → last learner's PUSH written to its sockets. Bytes = per round, "
+        "push = → last learner's PUSH written to its sockets; merge = the syncer's own merge "
+        "and commit, ξ_sync (`sync_ms`) of its event tape. Bytes = per round, "
         "counted on the learners' sockets (headers and CHUNK envelopes included). (a) = plain "
         "blocking sockets moving the same tensor bytes (same link emulation)."
     )
     tables.out()
     tables.out(
-        "| M | S | dtype | round ms | of it: push ms | (a) plain ms | round / (a) | in MB "
-        "| out MB "
-        "| peak RSS MiB | RSS limit MiB | RSS |"
+        "| M | S | dtype | round ms | of it: push ms | merge ms | (a) plain ms | round / (a) "
+        "| in MB | out MB | peak RSS MiB | RSS limit MiB | RSS |"
     )
-    tables.out("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    tables.out("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for learners in learners_list:
         plain: dict[WireDtype, float] = {}
         for dtype in dtypes:
@@ -1041,7 +1050,8 @@ def rounds_part(args: argparse.Namespace, tables: Tables, throttled: bool) -> di
                 ratio = result.latency_s / plain[dtype]
                 tables.out(
                     f"| {learners} | {streams} | {dtype.name.lower()} | {ms(result.latency_s)} "
-                    f"| {ms(result.push_s)} | {ms(plain[dtype])} | {ratio:.2f}x "
+                    f"| {ms(result.push_s)} | {ms(result.sync_s)} | {ms(plain[dtype])} "
+                    f"| {ratio:.2f}x "
                     f"| {result.bytes_in / 1e6:,.1f} | {result.bytes_out / 1e6:,.1f} "
                     f"| {result.peak_rss_mib:,.0f} | {limit:,.0f} "
                     f"| {verdict(result.peak_rss_mib <= limit)} |"
@@ -1090,8 +1100,10 @@ def baselines_part(args: argparse.Namespace, tables: Tables) -> dict[str, float]
 
 def scale_part(args: argparse.Namespace, tables: Tables) -> None:
     counts = [int(m) for m in parse_list(args.scale_learners)]
-    tables.out("\n### Scale: F = 8 fragments of 1M f32 values\n")
     first, last = SCALE_WINDOW
+    if args.scale_rounds < last:
+        raise SystemExit(f"--scale-rounds must be at least {last} (the measured window ends there)")
+    tables.out("\n### Scale: F = 8 fragments of 1M f32 values\n")
     tables.out(
         f"{args.scale_rounds} rounds, pipeline 2, quorum M, S = 0, f32; learners are threads in "
         f"{4} host processes; syncer time over rounds {first + 1}..{last} (every learner holds "

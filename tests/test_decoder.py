@@ -825,3 +825,26 @@ def test_direct_reads_into_the_payload_buffer_decode_the_same_frame() -> None:
     assert decoder.next_frame() == message
     with pytest.raises(LocalProtocolError):
         decoder.wrote(1)
+
+
+def test_after_a_bulk_frame_the_decoder_asks_for_exactly_the_next_header() -> None:
+    import numpy as np
+
+    from yeto_proto import BcastFragment, Limits, MergeMode, Role, WireDtype, encode_bytes
+    from yeto_proto.decoder import BULK_PAYLOAD, FrameDecoder
+    from yeto_proto.layout import WireFragment, WireLayout
+
+    numel = BULK_PAYLOAD  # a 4-byte-per-value payload well past the bulk mark
+    layout = WireLayout((WireFragment(MergeMode.AVG, (numel,)),))
+    frame = encode_bytes(BcastFragment(0, 1, np.zeros(numel, "<f4").data))
+    decoder = FrameDecoder(Role.LEARNER, limits=Limits.of(WireDtype.F32, layout))
+    assert decoder.header_wanted() == 0  # nothing bulk seen yet: read freely
+    decoder.feed(frame[:5])
+    assert decoder.header_wanted() == 0
+    decoder.feed(frame[5:])
+    assert decoder.header_wanted() == 13  # the next frame's header, and no more
+    decoder.feed(frame[:10])
+    assert decoder.header_wanted() == 3
+    decoder.feed(frame[10:13])
+    assert decoder.header_wanted() == 0  # inside the payload: writable() takes over
+    assert decoder.writable() is not None

@@ -44,6 +44,10 @@ from .schema import CHUNK_PREFIX, HEADER_STRUCT
 _KNOWN_TYPES = {int(t) for t in FrameType}
 
 
+#: A payload this large marks a bulk stream: see :meth:`FrameDecoder.header_wanted`.
+BULK_PAYLOAD = 64 << 10
+
+
 class ChunkSink(Protocol):
     """Where CHUNK data goes: checks an envelope and returns the ``size`` bytes to fill.
 
@@ -163,6 +167,7 @@ class FrameDecoder:
         self._payload: memoryview | None = None
         self._filled = 0
         self._ready: deque[tuple[FrameType, memoryview] | Chunk] = deque()
+        self._last_payload = 0  # payload size of the last complete frame
         #: (msg_id, total_len, offset) of a CHUNK whose data goes to the sink's buffer.
         self._placing: tuple[int, int, int] | None = None
         self._stash: bytearray | None = None  # bytes waiting for set_limits
@@ -288,6 +293,24 @@ class FrameDecoder:
             return None
         return self._payload[self._filled :]
 
+    def header_wanted(self) -> int:
+        """How many bytes complete the next header (and CHUNK envelope), after a bulk frame.
+
+        After a frame whose payload reached :data:`BULK_PAYLOAD`, a reader that reads exactly
+        this many bytes next, instead of filling a big buffer, gets the following payload
+        through :meth:`writable` rather than through the copy :meth:`feed` makes. 0 when it
+        does not apply (inside a payload, after small frames, failed, or holding bytes back).
+        """
+        if (
+            self._payload is not None
+            or self._error is not None
+            or self._eof
+            or self._stash
+            or self._last_payload < BULK_PAYLOAD
+        ):
+            return 0
+        return self._head_size() - len(self._head)
+
     def wrote(self, count: int) -> None:
         """Account for ``count`` bytes a socket wrote into :meth:`writable`'s view."""
         if self._payload is None or not 0 <= count <= len(self._payload) - self._filled:
@@ -298,6 +321,7 @@ class FrameDecoder:
 
     def _finish_frame(self) -> None:
         assert self._frame_type is not None and self._payload is not None
+        self._last_payload = len(self._payload)
         if self._placing is not None:
             self._ready.append(Chunk(*self._placing, data=self._payload))
             self._placing = None

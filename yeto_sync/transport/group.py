@@ -277,6 +277,11 @@ class ConnectionGroups:
         sock = self._sockets.get(conn)
         return None if sock is None else sock.decoder.writable()
 
+    def header_wanted(self, conn: ConnId) -> int:
+        """Bytes to read next so a bulk payload that follows can be read in place (0: any)."""
+        sock = self._sockets.get(conn)
+        return 0 if sock is None else sock.decoder.header_wanted()
+
     def receive_direct(self, conn: ConnId, count: int, now: float) -> list[WireCommand]:
         """``count`` bytes were read into :meth:`direct_target`'s view (``count`` > 0)."""
         sock = self._sockets.get(conn)

@@ -366,7 +366,12 @@ class TcpTransport:
                 # Inside a large payload, read straight into the frame's own buffer (no copy).
                 target = self.groups.direct_target(conn)
                 direct = target is not None and len(target) >= DIRECT_READ_MIN
-                into = target if direct and target is not None else buffer
+                if direct and target is not None:
+                    into = target
+                else:
+                    # Between bulk frames, read only the next header: the payload after it
+                    # then goes straight into its buffer instead of through this one.
+                    into = view[: self.groups.header_wanted(conn) or len(buffer)]
                 try:
                     size = sock.recv_into(into)
                 except (BlockingIOError, InterruptedError):
