@@ -633,7 +633,7 @@ def nesterov_step(
         if array.dtype != np.float32:
             raise ValueError(f"{name} must be float32, not {array.dtype}")
     new_params, new_momentum = _fresh(params.size), _fresh(params.size)
-    _outer_step(params, momentum, delta, None, lr, mu, new_params, new_momentum)
+    _outer_step(_StepPass(params, momentum, delta, None, lr, mu, new_params, new_momentum))
     return new_params, new_momentum
 
 
@@ -643,27 +643,17 @@ def _finite_sum(block: F32Array) -> bool:
     return math.isfinite(float(np.add.reduce(block)))
 
 
-def _outer_step(
-    params: F32Array,
-    momentum: F32Array,
-    delta: F32Array | None,
-    plain_sum: PlainSum | None,
-    lr: float,
-    mu: float,
-    new_params: F32Array,
-    new_momentum: F32Array,
-) -> float:
+def _outer_step(step: _StepPass) -> float:
     """The f32 Nesterov step in one blocked pass, Δ either given or summed block by block.
 
-    Exactly one of ``delta`` (the merged Δ) and ``plain_sum`` (its terms: each block of Δ is
-    formed in a cache-sized scratch buffer and never stored) is given. Every array is read or
-    written once, each block while it is in cache, and the blocks are split into contiguous
+    Exactly one of ``step.delta`` (the merged Δ) and a plain sum (its terms: each block of Δ
+    is formed in a cache-sized scratch buffer and never stored) is given. Every array is read
+    or written once, each block while it is in cache, and the blocks are split into contiguous
     runs over a few threads (numpy releases the GIL); the per-block partial sums of ‖Δ‖² are
     added in block order afterwards, so the bits do not depend on the thread count. Returns ‖Δ‖
     in f64; raises :class:`MergeError` on a non-finite Δ or result (inputs are untouched).
     """
-    numel = params.size
-    step = _StepPass(params, momentum, delta, plain_sum, lr, mu, new_params, new_momentum)
+    numel = step.params.size
     starts = range(0, numel, _BLOCK)
     runs = _split_runs(len(starts), _STEP_THREADS if numel >= _THREADED_MIN else 1)
     if len(runs) == 1:
@@ -677,10 +667,10 @@ def _outer_step(
                 raise error
         squares = [value for _, future in outcomes for value in future.result()]
     if numel <= _SMALL:  # small fragments: the norm exactly as gnorm() takes it (one einsum)
-        summed = _fresh(numel) if delta is None else delta
-        if delta is None:
-            assert plain_sum is not None
-            _accumulate_into(summed, *plain_sum)
+        summed = step.delta
+        if summed is None:
+            summed = _fresh(numel)
+            _accumulate_into(summed, step.terms, step.coefs)
         return gnorm(summed)
     return math.sqrt(_sequential_sum(squares))
 
@@ -710,7 +700,8 @@ class _StepPass:
             raise ValueError("give exactly one of delta and plain_sum")
         self.params, self.momentum, self.delta = params, momentum, delta
         self.terms: list[Term] = [] if plain_sum is None else plain_sum[0]
-        self.factors = [] if plain_sum is None else [np.float32(c) for c in plain_sum[1]]
+        self.coefs: list[float] = [] if plain_sum is None else plain_sum[1]
+        self.factors = [np.float32(c) for c in self.coefs]
         self.lr32, self.mu32 = np.float32(lr), np.float32(mu)
         self.new_params, self.new_momentum = new_params, new_momentum
 
@@ -817,14 +808,16 @@ def merge_round(
     new_params, new_momentum = alloc(numel), alloc(numel)
     delta, plain_sum = (merged, None) if isinstance(merged, np.ndarray) else (None, merged)
     norm = _outer_step(
-        params,
-        momentum,
-        delta,
-        plain_sum,
-        config.outer_lr,
-        config.outer_momentum,
-        new_params,
-        new_momentum,
+        _StepPass(
+            params,
+            momentum,
+            delta,
+            plain_sum,
+            config.outer_lr,
+            config.outer_momentum,
+            new_params,
+            new_momentum,
+        )
     )
     weights = learner_weights(ordered, config.learner_weight)
     return RoundMerge(
