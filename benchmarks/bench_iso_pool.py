@@ -28,9 +28,7 @@ import datetime
 import multiprocessing
 import os
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -42,6 +40,7 @@ from numpy.typing import NDArray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from merge_timing import LEARNERS, Row, interleaved_runs, make_responses, plain_weighted_average  # noqa: E402
 from results_md import RESULTS, replace_section  # noqa: E402
 
 from yeto_proto.constants import MergeMode  # noqa: E402
@@ -50,13 +49,11 @@ from yeto_proto.layout import WireFragment  # noqa: E402
 from yeto_sync.iso import IsoPoolSettings, IsoWorkerPool  # noqa: E402
 from yeto_sync.merge import (  # noqa: E402
     MergeConfig,
-    Response,
     learner_weights,
     merged_outer_gradient,
 )
 
 HEADING = "## Iso worker pool, torch-svd backend (bench_iso_pool.py)"
-LEARNERS = 4
 F32 = NDArray[np.float32]
 
 
@@ -67,77 +64,6 @@ class Case:
     reps: int  # average baseline and transfers
     svd_reps: int  # SVD rows
     svd_warm_up: bool = True  # off for the 4096x4096 case: one SVD there takes most of a minute
-
-
-@dataclass(frozen=True)
-class Row:
-    case: str
-    what: str
-    runs: list[float]
-    baseline_runs: list[float] | None = None
-    target: float | None = None
-
-    @property
-    def best(self) -> float:
-        return min(self.runs)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.runs)
-
-    @property
-    def baseline(self) -> float | None:
-        return None if self.baseline_runs is None else min(self.baseline_runs)
-
-    @property
-    def ratio(self) -> float | None:
-        return None if self.baseline is None else self.best / self.baseline
-
-    @property
-    def verdict(self) -> str:
-        if self.target is None or self.ratio is None:
-            return "info"
-        return "PASS" if self.ratio <= self.target else "FAIL"
-
-
-Runs = dict[str, list[float]]
-
-
-def interleaved_runs(
-    fns: dict[str, Callable[[], object]], reps: int, *, warm_up: bool = True
-) -> Runs:
-    """Seconds of each function per repetition, all in turn (alternating order) each time."""
-    for fn in fns.values() if warm_up else ():  # page faults, thread pools, LAPACK loading
-        fn()
-    times: Runs = {name: [] for name in fns}
-    for rep in range(reps):
-        names = list(fns) if rep % 2 == 0 else list(reversed(fns))
-        for name in names:
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
-def make_responses(numel: int, seed: int) -> list[Response]:
-    rng = np.random.default_rng(seed)
-    return [
-        Response(
-            learner_id=i,
-            generation=1,
-            c_steps=20 + i,
-            c_tokens=4096 * (20 + 3 * i),
-            pushed=(rng.standard_normal(numel, dtype=np.float32) * np.float32(1e-3)),
-        )
-        for i in range(LEARNERS)
-    ]
-
-
-def plain_weighted_average(grads: list[F32], coefs: list[float]) -> object:
-    total = np.float32(coefs[0]) * grads[0]
-    for grad, coef in zip(grads[1:], coefs[1:], strict=True):
-        total = total + np.float32(coef) * grad
-    return total
 
 
 # -- transfers ---------------------------------------------------------------------------------

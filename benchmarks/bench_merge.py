@@ -25,7 +25,6 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -38,10 +37,16 @@ SINGLE_THREADED = BLAS_THREADS == "1"
 clock = time.process_time if SINGLE_THREADED else time.perf_counter
 
 import numpy as np  # noqa: E402
-from numpy.typing import NDArray  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from merge_timing import (  # noqa: E402
+    LEARNERS,
+    Row,
+    interleaved_runs,
+    make_responses,
+    plain_weighted_average,
+)
 from results_md import RESULTS, replace_section  # noqa: E402
 
 from yeto_proto.constants import MergeMode  # noqa: E402
@@ -49,13 +54,11 @@ from yeto_proto.identity import DeltaCorrection  # noqa: E402
 from yeto_proto.layout import WireFragment  # noqa: E402
 from yeto_sync.merge import (  # noqa: E402
     MergeConfig,
-    Response,
     learner_weights,
     merged_outer_gradient,
 )
 
 HEADING = "## Merge (bench_merge.py)"
-LEARNERS = 4
 
 
 @dataclass(frozen=True)
@@ -65,82 +68,6 @@ class Case:
     reps: int  # for avg / rda / baseline
     svd_reps: int  # for iso and raw svd
     svd_warm_up: bool = True
-
-
-@dataclass(frozen=True)
-class Row:
-    case: str
-    what: str
-    runs: list[float]
-    baseline_runs: list[float] | None = None
-    target: float | None = None
-
-    @property
-    def best(self) -> float:
-        return min(self.runs)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.runs)
-
-    @property
-    def baseline(self) -> float | None:
-        return None if self.baseline_runs is None else min(self.baseline_runs)
-
-    @property
-    def ratio(self) -> float | None:
-        """Best against best: contention from other jobs only ever adds time."""
-        return None if self.baseline is None else self.best / self.baseline
-
-    @property
-    def verdict(self) -> str:
-        if self.target is None or self.ratio is None:
-            return "info"
-        return "PASS" if self.ratio <= self.target else "FAIL"
-
-
-Runs = dict[str, list[float]]
-
-
-def interleaved_runs(
-    fns: dict[str, Callable[[], object]], reps: int, *, warm_up: bool = True
-) -> Runs:
-    """Seconds of each function per repetition, all run in turn within every repetition.
-
-    Interleaving (in alternating order) makes a candidate and its baseline share whatever
-    else the machine is doing: on 2 cores, other jobs hit multi-threaded BLAS hard.
-    """
-    for fn in fns.values() if warm_up else ():  # first-touch page faults, BLAS threads
-        fn()
-    times: Runs = {name: [] for name in fns}
-    for rep in range(reps):
-        names = list(fns) if rep % 2 == 0 else list(reversed(fns))
-        for name in names:
-            start = clock()
-            fns[name]()
-            times[name].append(clock() - start)
-    return times
-
-
-def make_responses(numel: int, seed: int) -> list[Response]:
-    rng = np.random.default_rng(seed)
-    return [
-        Response(
-            learner_id=i,
-            generation=1,
-            c_steps=20 + i,
-            c_tokens=4096 * (20 + 3 * i),
-            pushed=(rng.standard_normal(numel, dtype=np.float32) * np.float32(1e-3)),
-        )
-        for i in range(LEARNERS)
-    ]
-
-
-def plain_weighted_average(grads: list[NDArray[np.float32]], coefs: list[float]) -> object:
-    total = np.float32(coefs[0]) * grads[0]
-    for grad, coef in zip(grads[1:], coefs[1:], strict=True):
-        total = total + np.float32(coef) * grad
-    return total
 
 
 def run_case(case: Case) -> list[Row]:
@@ -171,6 +98,7 @@ def run_case(case: Case) -> list[Row]:
             ),
         },
         case.reps,
+        clock=clock,
     )
     base = fast["baseline"]
     rows = [
@@ -193,7 +121,10 @@ def run_case(case: Case) -> list[Row]:
             np.linalg.svd(matrix, full_matrices=False)
 
     slow = interleaved_runs(
-        {"svd": raw_svd, "iso": merge(MergeMode.ISO)}, case.svd_reps, warm_up=case.svd_warm_up
+        {"svd": raw_svd, "iso": merge(MergeMode.ISO)},
+        case.svd_reps,
+        warm_up=case.svd_warm_up,
+        clock=clock,
     )
     rows.append(Row(case.name, "raw numpy.linalg.svd f64", slow["svd"]))
     svd_plus_avg = [svd + min(base) for svd in slow["svd"]]
