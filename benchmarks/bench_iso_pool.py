@@ -30,7 +30,6 @@ import os
 import platform
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
@@ -40,7 +39,15 @@ from numpy.typing import NDArray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from merge_timing import LEARNERS, Row, interleaved_runs, make_responses, plain_weighted_average  # noqa: E402
+from merge_timing import (  # noqa: E402
+    LEARNERS,
+    Case,
+    Row,
+    interleaved_runs,
+    make_responses,
+    plain_weighted_average,
+    render,
+)
 from results_md import RESULTS, replace_section  # noqa: E402
 
 from yeto_proto.constants import MergeMode  # noqa: E402
@@ -55,15 +62,6 @@ from yeto_sync.merge import (  # noqa: E402
 
 HEADING = "## Iso worker pool, torch-svd backend (bench_iso_pool.py)"
 F32 = NDArray[np.float32]
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    shapes: tuple[tuple[int, int], ...]
-    reps: int  # average baseline and transfers
-    svd_reps: int  # SVD rows
-    svd_warm_up: bool = True  # off for the 4096x4096 case: one SVD there takes most of a minute
 
 
 # -- transfers ---------------------------------------------------------------------------------
@@ -177,22 +175,6 @@ def run_case(case: Case, pool: IsoWorkerPool, echo: Connection) -> list[Row]:
             fast["shm"],
         ),
     ]
-
-
-def render(rows: list[Row]) -> str:
-    lines = [
-        "| case | measured | best s | median s | baseline best s | ratio | target | result |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for row in rows:
-        base = "" if row.baseline is None else f"{row.baseline:.4f}"
-        ratio = "" if row.ratio is None else f"{row.ratio:.2f}x"
-        target = "" if row.target is None else f"≤ {row.target:.1f}x"
-        lines.append(
-            f"| {row.case} | {row.what} | {row.best:.4f} | {row.median:.4f} | {base} | {ratio} |"
-            f" {target} | {row.verdict} |"
-        )
-    return "\n".join(lines)
 
 
 def main() -> int:

@@ -28,7 +28,6 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 # OpenBLAS reads this once, when numpy loads it: it must be set before the import.
@@ -42,10 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from merge_timing import (  # noqa: E402
     LEARNERS,
+    Case,
     Row,
     interleaved_runs,
     make_responses,
     plain_weighted_average,
+    render,
 )
 from results_md import RESULTS, replace_section  # noqa: E402
 
@@ -59,15 +60,6 @@ from yeto_sync.merge import (  # noqa: E402
 )
 
 HEADING = "## Merge (bench_merge.py)"
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    shapes: tuple[tuple[int, int], ...]
-    reps: int  # for avg / rda / baseline
-    svd_reps: int  # for iso and raw svd
-    svd_warm_up: bool = True
 
 
 def run_case(case: Case) -> list[Row]:
@@ -132,22 +124,6 @@ def run_case(case: Case) -> list[Row]:
         Row(case.name, "iso (scalar solver) vs svd + baseline", slow["iso"], svd_plus_avg, 1.2)
     )
     return rows
-
-
-def render(rows: list[Row]) -> str:
-    lines = [
-        "| case | measured | best s | median s | baseline best s | ratio | target | result |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for row in rows:
-        base = "" if row.baseline is None else f"{row.baseline:.4f}"
-        ratio = "" if row.ratio is None else f"{row.ratio:.2f}x"
-        target = "" if row.target is None else f"≤ {row.target:.1f}x"
-        lines.append(
-            f"| {row.case} | {row.what} | {row.best:.4f} | {row.median:.4f} | {base} | {ratio} |"
-            f" {target} | {row.verdict} |"
-        )
-    return "\n".join(lines)
 
 
 def main() -> int:

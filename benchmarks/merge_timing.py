@@ -20,6 +20,15 @@ LEARNERS = 4
 
 
 @dataclass(frozen=True)
+class Case:
+    name: str
+    shapes: tuple[tuple[int, int], ...]
+    reps: int  # the fast rows: averages, baselines, transfers
+    svd_reps: int  # the SVD rows
+    svd_warm_up: bool = True  # off for 4096x4096: one SVD there takes most of a minute
+
+
+@dataclass(frozen=True)
 class Row:
     case: str
     what: str
@@ -99,3 +108,20 @@ def plain_weighted_average(grads: list[NDArray[np.float32]], coefs: list[float])
     for grad, coef in zip(grads[1:], coefs[1:], strict=True):
         total = total + np.float32(coef) * grad
     return total
+
+
+def render(rows: list[Row]) -> str:
+    """The rows as a markdown table (seconds, ratio best against best, verdict)."""
+    lines = [
+        "| case | measured | best s | median s | baseline best s | ratio | target | result |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        base = "" if row.baseline is None else f"{row.baseline:.4f}"
+        ratio = "" if row.ratio is None else f"{row.ratio:.2f}x"
+        target = "" if row.target is None else f"≤ {row.target:.1f}x"
+        lines.append(
+            f"| {row.case} | {row.what} | {row.best:.4f} | {row.median:.4f} | {base} | {ratio} |"
+            f" {target} | {row.verdict} |"
+        )
+    return "\n".join(lines)
