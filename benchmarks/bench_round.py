@@ -114,7 +114,9 @@ CONTRACT = bytes(range(64, 96))
 RSS_BASE_MIB = 200
 SCALE_FRAGMENTS = 8
 SCALE_NUMEL = 1 << 20
-SCALE_WINDOW = (8, 56)  # syncer time is measured from round 9 through round 56
+SCALE_WINDOW = (8, 56)
+#: The fragments-in-flight case: fragments, --pipeline, M, S.
+PIPELINED = (4, 2, 2, 2)  # syncer time is measured from round 9 through round 56
 
 
 # -- an emulated link ---------------------------------------------------------------------------
@@ -549,6 +551,9 @@ class RoundResult:
     push_s: float
     #: Median ξ_sync of the event tape: the syncer's own merge + commit time per round.
     sync_s: float
+    #: Wall time per round over the measured rounds (first PULL → last BCAST, / rounds):
+    #: with several fragments in flight rounds overlap, and this is what a run's speed is.
+    interval_s: float
     bytes_in: int  # learners → syncer, per round
     bytes_out: int  # syncer → learners, per round
     peak_rss_mib: float
@@ -563,19 +568,23 @@ def run_yeto(
     *,
     rate: float | None,
     profile: Path | None,
+    fragments: int = 1,
+    pipeline: int = 1,
 ) -> RoundResult:
-    warmup = 1
+    """``rounds`` measured rounds after one round per fragment of warm-up."""
+    warmup = fragments
     total = warmup + rounds
+    numels = tuple(numel // fragments + (i < numel % fragments) for i in range(fragments))
     with tempfile.TemporaryDirectory(prefix="bench-round-") as tmp:
         tape = Path(tmp) / "tape.jsonl"
-        flags = [*daemon_flags(learners, total, pipeline=1), f"--event-tape={tape}"]
+        flags = [*daemon_flags(learners, total, pipeline=pipeline), f"--event-tape={tape}"]
         daemon = Daemon(flags, Path(tmp), profile=profile)
         pipes: list[Connection] = []
         processes = []
         try:
             for learner_id in range(learners):
                 parent, child = SPAWN.Pipe()
-                plan = LearnerPlan(daemon.port, learner_id, dtype.value, (numel,), streams, rate)
+                plan = LearnerPlan(daemon.port, learner_id, dtype.value, numels, streams, rate)
                 process = SPAWN.Process(target=learner_process, args=(plan, child), daemon=True)
                 process.start()
                 pipes.append(parent)
@@ -613,6 +622,8 @@ def run_yeto(
         latencies,
         statistics.median(push_phase),
         statistics.median(sync_ms[t] for t in steps) / 1000,
+        (max(r.bcasts[total] for r in reports) - min(r.pulls[warmup + 1] for r in reports))
+        / rounds,
         int(bytes_in),
         int(bytes_out),
         peak_kib / 1024,
@@ -1062,6 +1073,49 @@ def rounds_part(args: argparse.Namespace, tables: Tables, throttled: bool) -> di
     return figures
 
 
+def pipelined_part(args: argparse.Namespace, tables: Tables) -> dict[str, float]:
+    """f32 against q4 on the emulated link with the same tensor split into fragments in flight."""
+    fragments, pipeline, learners, streams = PIPELINED
+    rate = args.rate_gbit * 1e9 / 8
+    rounds = 3 * fragments
+    tables.out(
+        f"\n### Fragments in flight, emulated {args.rate_gbit:g} Gbit/s per learner and direction\n"
+    )
+    tables.out(
+        f"The same {args.numel:,} f32 values as {fragments} fragments, `--pipeline {pipeline}`, "
+        f"M = {learners}, S = {streams}: one fragment's merge can overlap another's transfer. "
+        f"ms per round = wall time from the first measured PULL to the last BCAST, over "
+        f"{rounds} rounds after {fragments} of warm-up (rounds overlap, so this is the run's "
+        "speed rather than one round's latency); a round moves a quarter of the tensor."
+    )
+    tables.out()
+    tables.out("| dtype | ms per round | median round latency ms | merge ms | × f32 |")
+    tables.out("|---|---:|---:|---:|---:|")
+    figures: dict[str, float] = {}
+    results = {
+        dtype: run_yeto(
+            learners,
+            streams,
+            dtype,
+            args.numel,
+            rounds,
+            rate=rate,
+            profile=None,
+            fragments=fragments,
+            pipeline=pipeline,
+        )
+        for dtype in (WireDtype.F32, WireDtype.Q4)
+    }
+    for dtype, result in results.items():
+        speedup = results[WireDtype.F32].interval_s / result.interval_s
+        tables.out(
+            f"| {dtype.name.lower()} | {ms(result.interval_s)} | {ms(result.latency_s)} "
+            f"| {ms(result.sync_s)} | {speedup:.2f}x |"
+        )
+        figures[f"pipelined {dtype.name.lower()}"] = result.interval_s
+    return figures
+
+
 def baselines_part(args: argparse.Namespace, tables: Tables) -> dict[str, float]:
     learners_list = [int(m) for m in parse_list(args.learners)]
     figures: dict[str, float] = {}
@@ -1157,11 +1211,17 @@ def targets(figures: dict[str, float], tables: Tables) -> None:
                 f"| q4 ≥ 3× faster than f32, M=2 S=2, {where} | {f32 / q4:.2f}x | 3.00x "
                 f"| {verdict(f32 / q4 >= 3.0) if tag else 'info'} |"
             )
+    f32, q4 = figures.get("pipelined f32"), figures.get("pipelined q4")
+    if f32 is not None and q4 is not None:
+        tables.out(
+            f"| q4 ≥ 3× faster than f32, 4 fragments in flight, emulated 1 Gbit/s (info) "
+            f"| {f32 / q4:.2f}x | 3.00x | info |"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", default="rounds,baselines,throttled,scale")
+    parser.add_argument("--part", default="rounds,baselines,throttled,pipelined,scale")
     parser.add_argument("--learners", default="2,4", help="M values (rounds, baselines)")
     parser.add_argument("--streams", default="0,2,4", help="S values (rounds)")
     parser.add_argument("--dtypes", default="f32,bf16,q4")
@@ -1188,6 +1248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "throttled" in parts:
         throttled = rounds_part(args, tables, throttled=True)
         figures |= {f"throttled {k}": v for k, v in throttled.items()}
+    if "pipelined" in parts:
+        figures |= pipelined_part(args, tables)
     if "scale" in parts:
         scale_part(args, tables)
     targets(figures, tables)
