@@ -12,6 +12,10 @@ that decides the bits follows the reference syncer, so that both produce the sam
 - norms and dot products are f64 (their summation order is numpy's: "bit-for-bit-ish");
 - the outer step is f32, evaluated as ``buf = μ·buf + Δ`` then ``Θ − lr·(Δ + μ·buf)``.
 
+How, for speed, without changing those bits: a response holds the pushed d (Δ = −d) and sums
+subtract ``c·d``; avg's sum, the outer step, its finite checks and ‖Δ‖ run as one pass over
+cache-sized blocks split across a few threads, and Δ itself is never stored there.
+
 Iso SVDs go through an :class:`IsoSolver`: :class:`ScalarIsoSolver` in process, or a worker pool
 (``yeto_sync.iso``) that also takes a fragment's matrices in one batch (:class:`BatchIsoSolver`).
 
