@@ -115,6 +115,8 @@ RSS_BASE_MIB = 200
 SCALE_FRAGMENTS = 8
 SCALE_NUMEL = 1 << 20
 SCALE_WINDOW = (8, 56)
+#: Warm-up rounds per fragment before a case is measured (the pools' first commits allocate).
+WARMUP_PASSES = 2
 #: The fragments-in-flight case: fragments, --pipeline, M, S.
 PIPELINED = (4, 2, 2, 2)  # syncer time is measured from round 9 through round 56
 
@@ -571,8 +573,12 @@ def run_yeto(
     fragments: int = 1,
     pipeline: int = 1,
 ) -> RoundResult:
-    """``rounds`` measured rounds after one round per fragment of warm-up."""
-    warmup = fragments
+    """``rounds`` measured rounds after WARMUP_PASSES rounds per fragment of warm-up.
+
+    The syncer's array pools reach their steady state at its second commit of a fragment (the
+    first commits allocate what later ones recycle), which a long run reaches at once.
+    """
+    warmup = WARMUP_PASSES * fragments
     total = warmup + rounds
     numels = tuple(numel // fragments + (i < numel % fragments) for i in range(fragments))
     with tempfile.TemporaryDirectory(prefix="bench-round-") as tmp:
@@ -1028,7 +1034,8 @@ def rounds_part(args: argparse.Namespace, tables: Tables, throttled: bool) -> di
     tables.out(f"\n### Round latency, {link}\n")
     tables.out(
         f"One fragment of {numel:,} f32 values ({frag_bytes / MIB:.0f} MiB), pipeline 1, quorum "
-        f"M, delta correction none; median of {args.rounds} rounds after 1 warm-up. Round t = "
+        f"M, delta correction none; median of {args.rounds} rounds after {WARMUP_PASSES} warm-up "
+        "rounds. Round t = "
         "first learner holding both PULL t and BCAST t−1 → last learner's receipt of BCAST t; "
         "push = → last learner's PUSH written to its sockets; merge = the syncer's own merge "
         "and commit, ξ_sync (`sync_ms`) of its event tape. Bytes = per round, "
@@ -1085,7 +1092,8 @@ def pipelined_part(args: argparse.Namespace, tables: Tables) -> dict[str, float]
         f"The same {args.numel:,} f32 values as {fragments} fragments, `--pipeline {pipeline}`, "
         f"M = {learners}, S = {streams}: one fragment's merge can overlap another's transfer. "
         f"ms per round = wall time from the first measured PULL to the last BCAST, over "
-        f"{rounds} rounds after {fragments} of warm-up (rounds overlap, so this is the run's "
+        f"{rounds} rounds after {WARMUP_PASSES * fragments} of warm-up (rounds overlap, so this is "
+        "the run's "
         "speed rather than one round's latency); a round moves a quarter of the tensor."
     )
     tables.out()
