@@ -338,6 +338,41 @@ def _validated_q4_scales(raw: NDArray[np.uint8], blocks: int) -> NDArray[np.floa
     return scales
 
 
+def _q4_parts(raw: NDArray[np.uint8]) -> tuple[NDArray[np.float32], NDArray[np.uint16]]:
+    """A q4 tensor's validated block scales and its packed codes, (blocks, 64) u16 (views)."""
+    blocks = raw.size // Q4_BLOCK_BYTES
+    codes = raw.view(_U16).reshape(blocks, Q4_BLOCK_BYTES // 2)[:, 2:]
+    return _validated_q4_scales(raw, blocks), codes
+
+
+def q4_decode_range(
+    codes: NDArray[np.uint16],
+    scales: NDArray[np.float32],
+    start: int,
+    stop: int,
+    dest: NDArray[np.float32],
+    index: NDArray[np.intp],
+) -> None:
+    """Values ``start:stop`` of a q4 tensor into ``dest``; ``start`` on a block boundary.
+
+    ``index`` is gather scratch with a row per whole block in the range (at least one); a
+    range that ends inside a block (only the tensor's last) decodes it whole and keeps the
+    head.
+    """
+    first = start // Q4_BLOCK_VALUES
+    whole = (stop - start) // Q4_BLOCK_VALUES
+    done = whole * Q4_BLOCK_VALUES
+    if whole:
+        _q4_decode_blocks(
+            codes[first : first + whole], scales[first : first + whole], dest[:done], index
+        )
+    if start + done < stop:
+        padded = np.empty(Q4_BLOCK_VALUES, _F32)
+        tail = first + whole
+        _q4_decode_blocks(codes[tail : tail + 1], scales[tail : tail + 1], padded, index)
+        dest[done:] = padded[: stop - start - done]
+
+
 def q4_decode(
     buf: BytesLike, numel: int, *, out: NDArray[np.float32] | None = None
 ) -> NDArray[np.float32]:
@@ -355,25 +390,13 @@ def q4_decode(
             ErrorCode.BAD_TENSOR_LENGTH,
             f"q4 data for {numel} values must be {expected} bytes, got {raw.size}",
         )
-    blocks = expected // Q4_BLOCK_BYTES
-    scales = _validated_q4_scales(raw, blocks)
+    scales, codes = _q4_parts(raw)
     result = _output(out, _F32, numel)
     dest = _flat(result)
-    codes = raw.view(_U16).reshape(blocks, Q4_BLOCK_BYTES // 2)[:, 2:]
-    full_blocks = numel // Q4_BLOCK_VALUES
-    index = np.empty((min(_Q4_BLOCKS_PER_STEP, blocks), 64), np.intp)
-    for first in range(0, full_blocks, _Q4_BLOCKS_PER_STEP):
-        last = min(first + _Q4_BLOCKS_PER_STEP, full_blocks)
-        _q4_decode_blocks(
-            codes[first:last],
-            scales[first:last],
-            dest[first * Q4_BLOCK_VALUES : last * Q4_BLOCK_VALUES],
-            index,
-        )
-    if full_blocks < blocks:
-        padded = np.empty(Q4_BLOCK_VALUES, _F32)
-        _q4_decode_blocks(codes[full_blocks:], scales[full_blocks:], padded, index)
-        dest[full_blocks * Q4_BLOCK_VALUES :] = padded[: numel - full_blocks * Q4_BLOCK_VALUES]
+    index = np.empty((min(_Q4_BLOCKS_PER_STEP, scales.size), 64), np.intp)
+    for start in range(0, numel, _BLOCK_VALUES):
+        stop = min(start + _BLOCK_VALUES, numel)
+        q4_decode_range(codes, scales, start, stop, dest[start:stop], index)
     return result
 
 

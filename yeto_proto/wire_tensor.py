@@ -15,14 +15,14 @@ import threading
 import numpy as np
 from numpy.typing import NDArray
 
-from .constants import Q4_BLOCK_BYTES, Q4_BLOCK_VALUES, WireDtype
+from .constants import Q4_BLOCK_VALUES, WireDtype
 from .dtypes import (
     BytesLike,
     _byte_view,
-    _q4_decode_blocks,
-    _validated_q4_scales,
+    _q4_parts,
     bf16_to_f32,
     decode_tensor,
+    q4_decode_range,
     tensor_nbytes,
 )
 from .errors import ErrorCode, RemoteProtocolError
@@ -78,9 +78,7 @@ class WireTensor:
         self._scales: NDArray[np.float32] | None = None
         self._codes: NDArray[np.uint16] | None = None
         if self.is_q4:
-            blocks = raw.size // Q4_BLOCK_BYTES
-            self._scales = _validated_q4_scales(raw, blocks)
-            self._codes = raw.view(_U16).reshape(blocks, Q4_BLOCK_BYTES // 2)[:, 2:]
+            self._scales, self._codes = _q4_parts(raw)
 
     @property
     def is_q4(self) -> bool:
@@ -125,24 +123,8 @@ class WireTensor:
         if start % Q4_BLOCK_VALUES:
             raise ValueError(f"q4 ranges start on a block boundary, not at {start}")
         assert self._codes is not None and self._scales is not None
-        first = start // Q4_BLOCK_VALUES
-        whole = (stop - start) // Q4_BLOCK_VALUES
-        index = _SCRATCH.q4_index(max(whole, 1))
-        if whole:
-            _q4_decode_blocks(
-                self._codes[first : first + whole],
-                self._scales[first : first + whole],
-                out[: whole * Q4_BLOCK_VALUES],
-                index,
-            )
-        done = whole * Q4_BLOCK_VALUES
-        if start + done < stop:  # the fragment's last, padded block
-            padded = np.empty(Q4_BLOCK_VALUES, np.float32)
-            block = first + whole
-            _q4_decode_blocks(
-                self._codes[block : block + 1], self._scales[block : block + 1], padded, index
-            )
-            out[done:] = padded[: stop - start - done]
+        index = _SCRATCH.q4_index(max((stop - start) // Q4_BLOCK_VALUES, 1))
+        q4_decode_range(self._codes, self._scales, start, stop, out, index)
 
     def decode(self, out: NDArray[np.float32] | None = None) -> NDArray[np.float32]:
         """Every value, as :func:`~yeto_proto.dtypes.decode_tensor` gives them."""
