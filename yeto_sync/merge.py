@@ -128,8 +128,10 @@ class Response:
 
     def outer_gradient(self, allocate: Allocate | None = None) -> F32Array:
         """Δ_m = −d_m as a new array (from ``allocate`` when given)."""
-        grad = _fresh(self.pushed.size) if allocate is None else allocate(self.pushed.size)
-        np.negative(_as_array(self.pushed, grad), out=grad)
+        grad = (allocate or _fresh)(self.pushed.size)
+        pushed = self.pushed
+        # A wire tensor is decoded into the result, then negated in place.
+        np.negative(pushed.decode(out=grad) if isinstance(pushed, WireTensor) else pushed, out=grad)
         return grad
 
     def pushed_array(self, allocate: Allocate) -> F32Array:
@@ -141,11 +143,6 @@ class Response:
     @property
     def member(self) -> tuple[int, int]:
         return (self.learner_id, self.generation)
-
-
-def _as_array(values: Pushed, out: F32Array) -> F32Array:
-    """``values`` as an array, decoding a wire tensor into ``out`` if need be."""
-    return values.decode(out=out) if isinstance(values, WireTensor) else values
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,11 +21,9 @@ from yeto_proto.wire_tensor import WireTensor
 from ..merge import F32Array, Pushed
 
 
-def _decode(
-    data: memoryview, dtype: WireDtype, numel: int, *, push: bool, out: F32Array | None = None
-) -> F32Array:
+def _decode(data: memoryview, dtype: WireDtype, numel: int, *, push: bool) -> F32Array:
     try:
-        decoded = decode_tensor(data, dtype, numel, push=push, out=out)
+        decoded = decode_tensor(data, dtype, numel, push=push)
     except (ValueError, TypeError) as exc:  # a codec bug must still surface as a protocol error
         raise RemoteProtocolError(ErrorCode.BAD_TENSOR_LENGTH, str(exc)) from exc
     array: F32Array = np.asarray(decoded, dtype=np.float32).reshape(-1)
