@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import queue
 import subprocess
@@ -361,7 +362,6 @@ def run_closure(config: BenchConfig, say: Callable[[str], None] = print) -> Clos
         f"--checkpoint-path={checkpoint}",
         "--mark-final-checkpoint",
         f"--quorum-timeout-s={int(config.consolidation_timeout)}",
-        f"--final-ack-timeout-s={int(config.consolidation_timeout)}",
     ]
     say(
         f"yeto bench: {config.learners} learners, {config.fragments} fragments, "
@@ -378,6 +378,9 @@ def run_closure(config: BenchConfig, say: Callable[[str], None] = print) -> Clos
                 f"--quorum={config.quorum}",
                 f"--total-steps={CUTOFF_TOTAL_STEPS}",
                 f"--learner-budget-steps={config.budget}",
+                # Learners reach the budget at their own pace: the cutoff waits for the last
+                # report as long as training may take, not just a consolidation's span.
+                f"--final-ack-timeout-s={math.ceil(config.training_timeout)}",
                 f"--event-tape={out / CUTOFF_TAPE}",
             ],
             log_path,
@@ -420,6 +423,7 @@ def run_closure(config: BenchConfig, say: Callable[[str], None] = print) -> Clos
                 "--resume",
                 f"--quorum={config.learners}",
                 f"--total-steps={cutoff_step + fragments}",
+                f"--final-ack-timeout-s={int(config.consolidation_timeout)}",
                 f"--event-tape={out / CONSOLIDATION_TAPE}",
             ],
             log_path,
