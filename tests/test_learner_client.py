@@ -31,6 +31,7 @@ from yeto_learn.transport import (
     Received,
     SyncerClient,
     SyncerProtocolViolation,
+    Undelivered,
 )
 from yeto_proto import (
     AnyMessage,
@@ -270,6 +271,7 @@ def test_a_lost_group_is_redialed_after_a_second_with_a_fresh_generation(
     lost = next_item(client)
     assert isinstance(lost, GroupLost) and lost.epoch == 1
     client.send(1, Heartbeat(3, 5))  # queued for the dead group: must never be sent
+    assert next_item(client) == Undelivered(1, Heartbeat(3, 5))  # and the sender hears of it
     second = syncer.accept_group(1)
     waited = time.monotonic() - lost_at
     assert 0.8 <= waited <= 3.0, f"redialed after {waited:.2f} s, expected about 1 s"

@@ -26,7 +26,7 @@ import torch
 from numpy.typing import NDArray
 from syncer_process import REPO, child_env, running_syncer
 
-from yeto_learn import Learner
+from yeto_learn import FinishTimeout, Learner
 from yeto_learn.cli import main as yeto_main
 from yeto_learn.learner import LAYOUT_FILE, RUN_ID_FILE, STATE_FILE, SUMMARY_FILE, resolve_run_id
 from yeto_learn.model_layout import normalize_name
@@ -358,6 +358,39 @@ def test_a_severed_learner_redials_with_a_new_generation_and_the_session_finishe
     checkpoint = read_checkpoint(syncer.checkpoint)
     for trained in results.values():
         assert_holds_checkpoint(trained.model, trained.learner.layout, checkpoint)
+
+
+def test_a_budget_report_queued_for_a_lost_group_reaches_the_syncer_on_the_next(
+    tmp_path: Path,
+) -> None:
+    budget = 5
+    extra = ["--learner-budget-steps", str(budget), "--sync-interval-steps", "64"]
+    with running_syncer(tmp_path / "syncer", learners=1, total_steps=1000, extra=extra) as syncer:
+        host, port = syncer.address.rsplit(":", 1)
+        proxy = SeverableProxy((host, int(port)))
+        learner = Learner(regression_model(), syncer=proxy.address, learner_id=0,
+                          num_learners=1, fragments=2, budget_steps=budget,
+                          connect_timeout=30, reconnect_timeout=30)  # fmt: skip
+        try:
+            for _ in range(budget):
+                learner.step(tokens=1)
+            assert proxy.sever() > 0
+            deadline = time.monotonic() + 10
+            while len(learner.generations) < 2:  # the client redials; training has not looked
+                assert time.monotonic() < deadline, "the client did not redial"
+                time.sleep(0.01)
+            learner.report_budget()  # queued for the severed group: it comes back unsent
+            with pytest.raises(FinishTimeout):  # the cutoff syncer sends no final cut
+                learner.finish(timeout=4)
+        finally:
+            learner.close()
+            proxy.close()
+        assert syncer.wait(10) == 0, syncer.log_tail()
+    lines = [json.loads(line) for line in syncer.tape.read_text().splitlines()]
+    reports = [line for line in lines if line.get("event") == "budget_done"]
+    assert len(reports) == 1 and reports[0]["generation"] == learner.generations[1]
+    cutoff = read_checkpoint(syncer.checkpoint)  # the unmarked recovery state
+    assert not is_marked_final(syncer.checkpoint, cutoff.global_step)
 
 
 # -- identity -------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from numpy.typing import NDArray
 
 from yeto_proto import (
     BcastFragment,
+    BudgetDone,
     ErrorMessage,
     Hello,
     Layout,
@@ -73,6 +74,7 @@ from .transport import (
     SyncerProtocolViolation,
     SyncerRefused,
     SyncerSilent,
+    Undelivered,
     parse_address,
 )
 
@@ -237,6 +239,8 @@ class Learner:
         self.budget_reported = False
         #: The connection epoch BUDGET_DONE went out on: its late pulls stay unanswered.
         self._budget_epoch: int | None = None
+        #: BUDGET_DONE that came back unsent (its group was gone) and the epoch it was for.
+        self._unsent_budget: tuple[int, BudgetDone] | None = None
 
         params = trainable_parameters(model)
         pattern = FragmentPattern(fragment_pattern)
@@ -527,8 +531,17 @@ class Learner:
                         session.connection_lost()
                 case Received():
                     applies += self._receive(session, item)
+                case Undelivered(message=BudgetDone() as report):
+                    # The syncer never saw it: it still gets it, once, on a newer group.
+                    self._unsent_budget = (item.epoch, report)
+                case Undelivered():
+                    pass  # pulls, pushes and acks die with their group
                 case ClientFailed():
                     raise item.error
+        if self._unsent_budget is not None and self._unsent_budget[0] < self._epoch:
+            self._send(self._unsent_budget[1])
+            self._budget_epoch = self._epoch
+            self._unsent_budget = None
         status = PlanStatus.FINAL_READY if self._final is not None else PlanStatus.RUNNING
         return Plan(status, applies)
 

@@ -13,7 +13,7 @@ from .errors import (
     SyncerSilent,
     SyncerUnreachable,
 )
-from .events import ClientFailed, GroupLost, GroupUp, InboxItem, Received
+from .events import ClientFailed, GroupLost, GroupUp, InboxItem, Received, Undelivered
 from .group import Counters
 
 __all__ = [
@@ -31,5 +31,6 @@ __all__ = [
     "SyncerRefused",
     "SyncerSilent",
     "SyncerUnreachable",
+    "Undelivered",
     "parse_address",
 ]

@@ -6,8 +6,10 @@ thread-safe queues:
 * the **inbox** (client → training): :mod:`.events` items in arrival order — ``GroupUp``,
   ``Received`` messages, ``GroupLost``, and ``ClientFailed`` when the client gives up;
 * the **outbox** (training → client): ``(epoch, message)`` pairs; a write to a self-pipe wakes
-  the event loop. A message for any epoch but the current group's is dropped: what was queued
+  the event loop. A message for any epoch but the current group's is not sent: what was queued
   for a dead group never reaches the next one (spec: a message never straddles generations).
+  It comes back through the inbox as ``Undelivered``, so nothing is lost without the training
+  thread knowing.
 
 The client knows nothing of anchors or pulls (that is :class:`~yeto_learn.session.
 LearnerSession`, driven by the training thread); it dials groups, frames, stripes and
@@ -46,7 +48,7 @@ from yeto_proto.constants import CHUNK_SLICE_SIZE, MAX_STREAMS
 
 from ..session.reconnect import backoff_delay, fresh_generation
 from .errors import SyncerProtocolViolation, SyncerUnreachable
-from .events import ClientFailed, GroupLost, GroupUp, InboxItem, Received
+from .events import ClientFailed, GroupLost, GroupUp, InboxItem, Received, Undelivered
 from .group import RECV_BUFFER_SIZE, ConnectionGroup, Counters, open_socket
 
 #: HEARTBEAT interval (spec/learner.md §9: not part of the wire contract).
@@ -198,6 +200,7 @@ class SyncerClient:
                 group.send(message)
             else:
                 self.counters.frames_dropped += 1
+                self._post(Undelivered(epoch, message))
 
     def _post(self, item: InboxItem) -> None:
         self._inbox.put(item)

@@ -40,10 +40,22 @@ class Received:
 
 
 @dataclass(frozen=True, slots=True)
+class Undelivered:
+    """``message`` was queued for the group of ``epoch``, which was gone: it was never sent.
+
+    The training thread decides whether it belongs on the next group (BUDGET_DONE does: the
+    syncer never saw it) or died with its group (pushes, acks).
+    """
+
+    epoch: int
+    message: AnyMessage
+
+
+@dataclass(frozen=True, slots=True)
 class ClientFailed:
     """The client stopped for good; the training loop raises ``error``."""
 
     error: LearnerError
 
 
-InboxItem: TypeAlias = GroupUp | GroupLost | Received | ClientFailed
+InboxItem: TypeAlias = GroupUp | GroupLost | Received | Undelivered | ClientFailed
