@@ -106,7 +106,6 @@ MIB = 1 << 20
 SPAWN = multiprocessing.get_context("spawn")
 DTYPES = {"f32": WireDtype.F32, "bf16": WireDtype.BF16, "q4": WireDtype.Q4}
 RECV_BUFFER = 4 * MIB
-DIRECT_READ_MIN = 64 << 10
 THROTTLE_SLICE = 64 << 10
 TIMEOUT_S = 300.0
 FINGERPRINT = bytes(range(32))
@@ -313,15 +312,13 @@ class BenchLearner:
 
     def _read(self, sock: socket.socket) -> None:
         decoder = self.decoders[sock]
-        target = decoder.writable()
+        into, direct = decoder.next_read(self.view)
         try:
-            if target is not None and len(target) >= DIRECT_READ_MIN:
-                size = self.link.recv_into(sock, target)
+            size = self.link.recv_into(sock, into)
+            if direct:
                 if size:
                     decoder.wrote(size)
             else:
-                wanted = decoder.header_wanted() or RECV_BUFFER  # just a header after bulk
-                size = self.link.recv_into(sock, self.view[:wanted])
                 decoder.feed(self.view[:size])
         except ConnectionResetError:
             size = 0

@@ -9,6 +9,10 @@ subprocess, and the receiving side times first byte (or the "go" signal) → las
   ``recv_into`` into a 4 MiB buffer while the sender ``sendall``\\ s 4 MiB pieces; yeto-sync runs
   its real ``TcpTransport`` + ``ConnectionGroups`` + driver and counts decoded PUSH frames that a
   scripted learner sends plain (S = 0) or striped over 3 data sockets (S = 3);
+- learner receive path (syncer → learner): the learner client's real
+  ``yeto_learn.transport.group.ConnectionGroup`` counts decoded BCAST frames that a subprocess
+  sends plain (S = 0) or striped over 3 data sockets (S = 3, a sending thread per socket), from
+  the "go" byte to the last BCAST delivered; same baseline as the syncer's receive path;
 - send path (syncer → learner): the baseline sender ``sendall``\\ s 4 MiB pieces; yeto-sync queues
   BCAST frames through the transport (``sendmsg`` of the encoded buffers, CHUNKs for S = 3);
   the receiving subprocess only counts bytes in both cases.
@@ -29,6 +33,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +48,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from scripted_learner import LearnerGroup, SessionSpec  # noqa: E402
 
+from yeto_learn.transport.group import (  # noqa: E402
+    RECV_BUFFER_SIZE,
+    ConnectionGroup,
+    Counters,
+)
 from yeto_proto import (  # noqa: E402
     BcastFragment,
     Chunk,
@@ -145,6 +155,43 @@ def role_count_bytes(port: int, total: int, numel: int, streams: int) -> None:
             received += size
     elapsed = time.perf_counter() - (started or time.perf_counter())
     print(json.dumps({"seconds": elapsed, "bytes": received}), flush=True)
+    for sock in sockets:
+        sock.close()
+
+
+def role_syncer_bcast(port: int, numel: int, messages: int, streams: int) -> None:
+    """A stand-in syncer: dial the learner's 1 + S sockets, then BCAST on the "go" byte."""
+    frame = encode(BcastFragment(0, 1, np.full(numel, 0.5, np.float32).view(np.uint8).data))
+    per_socket: list[list[memoryview]] = [[] for _ in range(1 + streams)]
+    slicer = ChunkSlicer(max(streams, 1))
+    for _ in range(messages):  # each message its own CHUNK msg_id
+        if streams:
+            for piece in slicer.slice(frame):
+                per_socket[1 + piece.stream_idx] += [memoryview(b) for b in piece.buffers]
+        else:
+            per_socket[0] += [memoryview(b) for b in frame]
+
+    def send_all(sock: socket.socket, buffers: list[memoryview]) -> None:
+        for buffer in buffers:
+            sock.sendall(buffer)
+
+    sockets = []  # dialed once every frame is ready, so the timed part is sending only
+    for index in range(1 + streams):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as yeto-sync does
+        sock.sendall(bytes([index]))  # which stream this is: accept order is not guaranteed
+        sockets.append(sock)
+    sockets[0].recv(1)
+    threads = [
+        threading.Thread(target=send_all, args=(sock, buffers))
+        for sock, buffers in zip(sockets, per_socket, strict=True)
+        if buffers
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    sockets[0].recv(1)  # hold the sockets until the learner closes them
     for sock in sockets:
         sock.close()
 
@@ -264,6 +311,46 @@ def decoder_alone(numel: int, messages: int, streams: int) -> float:
     return time.perf_counter() - started
 
 
+def learner_receive(numel: int, messages: int, streams: int) -> float:
+    """The learner client's ConnectionGroup receiving ``messages`` BCASTs from a subprocess."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        child = spawn("syncer-bcast", server.getsockname()[1], numel, messages, streams)
+        sockets: list[socket.socket | None] = [None] * (1 + streams)
+        for _ in sockets:
+            sock, _ = server.accept()
+            sockets[sock.recv(1)[0]] = sock
+    ordered = [sock for sock in sockets if sock is not None]
+    layout = WireLayout((WireFragment(MergeMode.AVG, (numel,)),))
+    delivered: list[float] = []
+
+    async def serve() -> float:
+        group: ConnectionGroup
+
+        def deliver(message: object) -> None:
+            if isinstance(message, BcastFragment):
+                delivered.append(time.perf_counter())
+                if len(delivered) == messages:
+                    group.stop("done", flush=False)
+
+        group = ConnectionGroup(
+            ordered,
+            Limits.of(WireDtype.F32, layout),
+            deliver=deliver,
+            counters=Counters(),
+            recv_buffer=bytearray(RECV_BUFFER_SIZE),
+        )
+        started = time.perf_counter()
+        ordered[0].sendall(b"g")
+        for sock in ordered:
+            sock.setblocking(False)
+        await group.run()
+        return delivered[-1] - started
+
+    elapsed = anyio.run(serve)
+    child.wait(60)
+    return elapsed
+
+
 def baseline_send(total: int) -> float:
     with socket.create_server(("127.0.0.1", 0)) as server:
         child = spawn("count-bytes", server.getsockname()[1], total, 0, -1)
@@ -306,6 +393,7 @@ def main() -> None:
             "send-raw": role_send_raw,
             "learner-push": role_learner_push,
             "count-bytes": role_count_bytes,
+            "syncer-bcast": role_syncer_bcast,
         }
         roles[name](*values)
         return
@@ -322,6 +410,8 @@ def main() -> None:
         "receive: yeto_proto decoder + reassembler alone, no sockets, S=3": lambda: decoder_alone(
             numel, args.messages, 3
         ),
+        "receive: yeto_learn client BCAST, S=0": lambda: learner_receive(numel, args.messages, 0),
+        "receive: yeto_learn client BCAST, S=3": lambda: learner_receive(numel, args.messages, 3),
         "send: blocking socket, sendall 4 MiB (baseline)": lambda: baseline_send(total),
         "send: yeto-sync BCAST, S=0": lambda: transport_send(numel, args.messages, 0),
         "send: yeto-sync BCAST, S=3": lambda: transport_send(numel, args.messages, 3),
@@ -350,7 +440,7 @@ def main() -> None:
             assert base is not None
             value = median_rate / base
             ratio = f"{value:.2f}x"
-            measured = "alone" not in name and direction == "receive"
+            measured = "yeto-sync" in name and direction == "receive"
             target = f"≥ {TARGET_RECEIVE_RATIO}x" if measured else ""
             result = ("PASS" if value >= TARGET_RECEIVE_RATIO else "FAIL") if target else "info"
         print(f"| {name} | {median_rate:.2f} | {best_rate:.2f} | {ratio} | {target} | {result} |")

@@ -848,3 +848,41 @@ def test_after_a_bulk_frame_the_decoder_asks_for_exactly_the_next_header() -> No
     decoder.feed(frame[10:13])
     assert decoder.header_wanted() == 0  # inside the payload: writable() takes over
     assert decoder.writable() is not None
+
+
+def test_a_reader_driven_by_next_read_decodes_everything_and_copies_only_small_bytes() -> None:
+    """``next_read`` picks in place vs scratch; bulk payload bytes never pass through scratch."""
+    import random
+
+    import numpy as np
+
+    from yeto_proto import BcastFragment, Limits, MergeMode, Role, WireDtype
+    from yeto_proto import encode_bytes as frame_bytes
+    from yeto_proto.decoder import BULK_PAYLOAD, FrameDecoder
+    from yeto_proto.layout import WireFragment, WireLayout
+
+    numel = 3 * BULK_PAYLOAD // 4 + 5  # f32 payload of 3 × 64 KiB + 20 bytes
+    layout = WireLayout((WireFragment(MergeMode.AVG, (numel,)),))
+    bulk = [BcastFragment(0, v, np.full(numel, v, "<f4").data) for v in (1, 2, 3)]
+    small = [PullReq(0, 1, 1), PullReq(0, 2, 2)]
+    messages = [small[0], bulk[0], bulk[1], small[1], bulk[2], small[0]]
+    wire = b"".join(frame_bytes(m) for m in messages)
+    decoder = FrameDecoder(Role.LEARNER, limits=Limits.of(WireDtype.F32, layout))
+    scratch = memoryview(bytearray(1 << 16))
+    rng = random.Random(7)
+    at = through_scratch = 0
+    while at < len(wire):
+        into, direct = decoder.next_read(scratch)
+        size = min(len(into), len(wire) - at, rng.choice((3, 700, 1 << 20)))  # a short read
+        into[:size] = wire[at : at + size]
+        at += size
+        if direct:
+            decoder.wrote(size)
+        else:
+            through_scratch += size
+            decoder.feed(into[:size])
+    assert decoder.frames() == messages
+    tensor_bytes = 4 * numel * len(bulk)
+    # Scratch carries the small frames, plus at most one scratch-full of a bulk payload after
+    # each run of small frames (the decoder cannot know a bulk frame is next).
+    assert through_scratch < len(wire) - tensor_bytes + 2 * len(scratch)

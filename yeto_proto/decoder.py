@@ -311,6 +311,21 @@ class FrameDecoder:
             return 0
         return self._head_size() - len(self._head)
 
+    def next_read(self, scratch: memoryview) -> tuple[memoryview, bool]:
+        """Where a socket's next ``recv_into`` should write, and whether that is in place.
+
+        ``(view, True)``: the unfilled rest of a payload of at least :data:`BULK_PAYLOAD`
+        bytes; report the count with :meth:`wrote`. ``(view, False)``: a prefix of ``scratch``
+        — just the next header after a bulk frame (so the payload behind it is read in place),
+        else all of it; pass what was read to :meth:`feed`. Small payloads go through
+        ``scratch``: one read then covers many frames.
+        """
+        target = self.writable()
+        if target is not None and len(target) >= BULK_PAYLOAD:
+            return target, True
+        wanted = self.header_wanted()
+        return (scratch[:wanted] if wanted else scratch), False
+
     def wrote(self, count: int) -> None:
         """Account for ``count`` bytes a socket wrote into :meth:`writable`'s view."""
         if self._payload is None or not 0 <= count <= len(self._payload) - self._filled:

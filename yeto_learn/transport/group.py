@@ -1,9 +1,10 @@
 """One learner connection group on anyio: stream 0 (control) plus S data sockets.
 
-Receive path: every socket reads with ``recv_into`` into one reusable buffer shared by the
-group's readers (each read is fed to that socket's decoder, which copies the bytes once into the
-frame they belong to, before the reader yields) — the measured fast path of BENCHMARKS.md.
-CHUNKs from any socket go to the group's one :class:`~yeto_proto.Reassembler`.
+Receive path: every socket reads with ``recv_into`` — large payloads straight into their frame
+(a CHUNK's data into its place in the reassembled BCAST), headers and small frames into one
+reusable buffer shared by the group's readers, copied into their frame by the decoder before the
+reader yields (:meth:`yeto_proto.FrameDecoder.next_read` picks) — the measured fast path of
+BENCHMARKS.md. CHUNKs from any socket go to the group's one :class:`~yeto_proto.Reassembler`.
 
 Send path: frames are the buffer lists of :func:`yeto_proto.encode` (tensor bytes stay views)
 and go out whole with ``socket.sendmsg``, one writer task per socket. INIT and PUSH are sliced
@@ -139,7 +140,6 @@ class ConnectionGroup:
         self._slicer = ChunkSlicer(data_streams, slice_size) if data_streams else None
         self._deliver = deliver
         self._counters = counters
-        self._buffer = recv_buffer
         self._view = memoryview(recv_buffer)
         self._stall_timeout = stall_timeout
         self._ended = anyio.Event()
@@ -229,12 +229,14 @@ class ConnectionGroup:
             self._closing.set()
 
     async def _read_loop(self, stream: _Stream) -> None:
-        # One buffer serves every reader: a read is fed (copied) before this task yields.
+        # Large payloads are read in place; the rest goes through the one buffer every reader
+        # shares, whose bytes are fed (copied) before this task yields.
         sock, decoder, view = stream.sock, stream.decoder, self._view
         name = "stream 0" if stream.index == 0 else f"data stream {stream.index - 1}"
         while True:
+            into, direct = decoder.next_read(view)
             try:
-                size = sock.recv_into(self._buffer)
+                size = sock.recv_into(into)
             except (BlockingIOError, InterruptedError):
                 await anyio.wait_readable(sock)
                 continue
@@ -250,7 +252,10 @@ class ConnectionGroup:
                     self._closed_cleanly(stream, f"{name} closed by the syncer")
                 return
             self._counters.bytes_received += size
-            decoder.feed(view[:size])
+            if direct:
+                decoder.wrote(size)
+            else:
+                decoder.feed(view[:size])
             try:
                 self._drain(decoder)
             except ProtocolError as exc:

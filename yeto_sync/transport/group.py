@@ -272,18 +272,13 @@ class ConnectionGroups:
             self._drain(sock, now)
         return self._take_wire()
 
-    def direct_target(self, conn: ConnId) -> memoryview | None:
-        """Where ``conn``'s next bytes may be read straight into (the current frame's payload)."""
+    def next_read(self, conn: ConnId, scratch: memoryview) -> tuple[memoryview, bool]:
+        """Where ``conn``'s next read goes (:meth:`FrameDecoder.next_read`): in place or not."""
         sock = self._sockets.get(conn)
-        return None if sock is None else sock.decoder.writable()
-
-    def header_wanted(self, conn: ConnId) -> int:
-        """Bytes to read next so a bulk payload that follows can be read in place (0: any)."""
-        sock = self._sockets.get(conn)
-        return 0 if sock is None else sock.decoder.header_wanted()
+        return (scratch, False) if sock is None else sock.decoder.next_read(scratch)
 
     def receive_direct(self, conn: ConnId, count: int, now: float) -> list[WireCommand]:
-        """``count`` bytes were read into :meth:`direct_target`'s view (``count`` > 0)."""
+        """``count`` bytes were read in place, into :meth:`next_read`'s view (``count`` > 0)."""
         sock = self._sockets.get(conn)
         if sock is not None:
             sock.decoder.wrote(count)

@@ -2,11 +2,12 @@
 
 Receive path (measured in BENCHMARKS.md: an anyio stream's ``receive()`` reaches half the
 throughput of a blocking socket; ``wait_readable`` + ``recv_into`` on the raw socket ≈ 0.9–0.97):
-each socket reads with ``recv_into`` into one reusable 4 MiB buffer (shared by all sockets: the
-decoder copies each read before the reading task yields) and feeds the view to its decoder,
-which copies the bytes once, into the frame they belong to. Send path: frames are the
-buffer lists :func:`yeto_proto.encode` and the CHUNK slicer return (tensor bytes are views of
-the coordinator's arrays) and go out with ``socket.sendmsg``, never joined.
+each socket reads with ``recv_into`` straight into the payload of a large frame (or the CHUNK's
+place in its reassembled message), and everything else — headers, small frames — into one
+reusable 4 MiB buffer shared by all sockets, whose bytes the decoder copies into their frame
+before the reading task yields (:meth:`yeto_proto.FrameDecoder.next_read` picks). Send path:
+frames are the buffer lists :func:`yeto_proto.encode` and the CHUNK slicer return (tensor bytes
+are views of the coordinator's arrays) and go out with ``socket.sendmsg``, never joined.
 
 Every wait is bounded:
 
@@ -45,8 +46,6 @@ from .group import ConnectionGroups, Hangup, LogFn, Transmit, WireCommand
 
 #: The receive buffer all sockets share (a read never outlives the task step that made it).
 RECV_BUFFER_SIZE = 4 << 20
-#: Below this many bytes left in a payload, reading into the shared buffer is as cheap.
-DIRECT_READ_MIN = 64 << 10
 SEND_QUEUE_BYTES = 64 << 20
 SEND_STALL_TIMEOUT_S = 60.0
 LINGER_S = 2.0
@@ -359,19 +358,12 @@ class TcpTransport:
     async def _read_loop(self, peer: _Peer) -> None:
         # One buffer serves every socket: each read is handed to the decoder (which copies it)
         # before this task yields, so no other reader can overwrite it in between.
-        buffer, view = self._recv_buffer, self._recv_view
+        view = self._recv_view
         sock, conn = peer.sock, peer.conn
         try:
             while True:
-                # Inside a large payload, read straight into the frame's own buffer (no copy).
-                target = self.groups.direct_target(conn)
-                direct = target is not None and len(target) >= DIRECT_READ_MIN
-                if direct and target is not None:
-                    into = target
-                else:
-                    # Between bulk frames, read only the next header: the payload after it
-                    # then goes straight into its buffer instead of through this one.
-                    into = view[: self.groups.header_wanted(conn) or len(buffer)]
+                # Large payloads are read straight into their frame's buffer (no copy).
+                into, direct = self.groups.next_read(conn, view)
                 try:
                     size = sock.recv_into(into)
                 except (BlockingIOError, InterruptedError):
