@@ -7,7 +7,8 @@ encoded once per version (into a recycled buffer) and shared by all groups it go
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 from numpy.typing import NDArray
@@ -21,11 +22,18 @@ from yeto_proto.wire_tensor import WireTensor
 from ..merge import F32Array, Pushed
 
 
-def _decode(data: memoryview, dtype: WireDtype, numel: int, *, push: bool) -> F32Array:
+@contextmanager
+def _codec_errors() -> Iterator[None]:
+    """A codec's ValueError/TypeError is the peer's bad tensor: a protocol error, not a crash."""
     try:
-        decoded = decode_tensor(data, dtype, numel, push=push)
-    except (ValueError, TypeError) as exc:  # a codec bug must still surface as a protocol error
+        yield
+    except (ValueError, TypeError) as exc:
         raise RemoteProtocolError(ErrorCode.BAD_TENSOR_LENGTH, str(exc)) from exc
+
+
+def _decode(data: memoryview, dtype: WireDtype, numel: int, *, push: bool) -> F32Array:
+    with _codec_errors():
+        decoded = decode_tensor(data, dtype, numel, push=push)
     array: F32Array = np.asarray(decoded, dtype=np.float32).reshape(-1)
     if array.size != numel:
         raise RemoteProtocolError(
@@ -55,10 +63,8 @@ def decode_push(data: memoryview, dtype: WireDtype, numel: int) -> Pushed:
     """
     if dtype is WireDtype.F32:
         return _decode(data, dtype, numel, push=True)
-    try:
+    with _codec_errors():
         pushed = WireTensor(data, dtype, numel, push=True)
-    except (ValueError, TypeError) as exc:  # a codec bug must still surface as a protocol error
-        raise RemoteProtocolError(ErrorCode.BAD_TENSOR_LENGTH, str(exc)) from exc
     if not pushed.all_finite():
         raise RemoteProtocolError(ErrorCode.NON_FINITE_VALUE, "tensor holds NaN or inf")
     return pushed
