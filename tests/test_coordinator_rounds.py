@@ -15,7 +15,7 @@ from yeto_proto.errors import ErrorCode
 from yeto_proto.messages import PullReq, PushFragment
 from yeto_sync.config import SyncerConfig
 from yeto_sync.coordinator import LAUNCH_TIMER, Phase
-from yeto_sync.events import CancelTimer, CloseGroup, GroupKey, Log, SetTimer
+from yeto_sync.events import CancelTimer, CloseGroup, GroupKey, Log, MessageReceived, SetTimer
 
 LAYOUT3 = avg_layout((4,), (3, 2), (5,))
 LAYOUT1 = avg_layout((6,))
@@ -425,6 +425,20 @@ def test_fatal_push_errors_close_only_that_group(
     assert b.key not in sim.closed
     sim.message(b.key, b.push_for(pull))
     assert sim.coordinator.rounds_in_flight[0].answered == 1
+
+
+def test_the_transport_verdict_on_an_f32_tensor_stands_in_for_reading_it() -> None:
+    config = SyncerConfig(learners=2, total_steps=3, quorum=2, pipeline=1)
+    sim = Sim(config, LAYOUT1)
+    a, b = sim.start(auto=False)
+    pull = sim.sends_to(a.key, PullReq)[0]
+    # After the same checks as ever (here: the learner id), in the same place as ever.
+    mismatched = _unchecked_push(a.push_for(pull), learner_id=1)
+    sim.feed(MessageReceived(a.key, mismatched, tensor_finite=False))
+    assert closed_code(sim, a.key) == ErrorCode.LEARNER_ID_MISMATCH.value
+    sim.feed(MessageReceived(b.key, b.push_for(pull), tensor_finite=False))  # seen on arrival
+    assert closed_code(sim, b.key) == ErrorCode.NON_FINITE_VALUE.value
+    assert sim.coordinator.rounds_in_flight[0].answered == 0
 
 
 def test_set_timer_keys_name_round_and_attempt() -> None:

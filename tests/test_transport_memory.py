@@ -449,6 +449,28 @@ def test_chunks_from_any_socket_including_stream_0_reassemble_in_any_order() -> 
         message = received.message
         assert isinstance(message, PushFragment)
         assert bytes(message.data) == bytes(push.data)
+        assert received.tensor_finite is True  # checked CHUNK by CHUNK on arrival
+
+    run(scenario)
+
+
+def test_striped_f32_tensors_carry_the_verdict_of_their_arrival_check() -> None:
+    async def scenario() -> None:
+        coordinator = AdmitAll()
+        syncer = new_syncer(coordinator)
+        peers = connect_group(syncer, num_streams=2)
+        await syncer.settle()
+        bad = np.linspace(-1, 1, BIG, dtype="<f4")
+        bad[BIG - 3] = np.inf
+        slicer = ChunkSlicer(2, slice_size=1 << 20)
+        for values in (bad, np.ones(BIG, "<f4")):
+            push = PushFragment(0, 0, 1, 1, 0, 10, 4, 4000, values.view(np.uint8).data)
+            for piece in slicer.slice(encode(push)):
+                peers[1 + piece.stream_idx].write(b"".join(piece.buffers))
+        peers[0].send(_push())  # a plain frame on stream 0: not checked on the way in
+        await syncer.settle()
+        verdicts = [e.tensor_finite for e in coordinator.of_type(MessageReceived)]
+        assert verdicts == [False, True, None]
 
     run(scenario)
 

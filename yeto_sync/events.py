@@ -48,6 +48,10 @@ class GroupReady:
 class MessageReceived:
     group: GroupKey
     message: AnyMessage
+    #: For an f32 INIT or PUSH: whether its tensor is free of NaN and inf, if the transport
+    #: already checked the bytes as they arrived (:mod:`yeto_sync.transport.finite_scan`);
+    #: ``None``: not checked, the coordinator reads the tensor itself.
+    tensor_finite: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

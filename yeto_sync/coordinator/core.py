@@ -200,8 +200,8 @@ class Coordinator:
                 self._on_hello(conn, hello, out)
             case GroupReady(group=group):
                 self._on_group_ready(group, now, out)
-            case MessageReceived(group=group, message=message):
-                self._on_message(group, message, now, out)
+            case MessageReceived(group=group, message=message, tensor_finite=finite):
+                self._on_message(group, message, finite, now, out)
             case GroupClosed(group=group, reason=reason):
                 self._on_group_closed(group, reason, out)
             case TimerFired(key=key):
@@ -309,17 +309,22 @@ class Coordinator:
 
     # -- messages --------------------------------------------------------------------------
     def _on_message(
-        self, key: GroupKey, message: AnyMessage, now: float, out: list[Action]
+        self,
+        key: GroupKey,
+        message: AnyMessage,
+        tensor_finite: bool | None,
+        now: float,
+        out: list[Action],
     ) -> None:
         if self._registry.get(key) is None:
             return  # already closed by us; its last frames do not matter
         match message:
             case PushFragment():
-                self._on_push(key, message, now, out)
+                self._on_push(key, message, tensor_finite, now, out)
             case Heartbeat():
                 self._on_heartbeat(key, message, now, out)
             case InitParams():
-                self._on_init(key, message, now, out)
+                self._on_init(key, message, tensor_finite, now, out)
             case FinalAck():
                 self._on_final_ack(key, message, out)
             case BudgetDone():
@@ -333,7 +338,14 @@ class Coordinator:
                     out,
                 )
 
-    def _on_init(self, key: GroupKey, init: InitParams, now: float, out: list[Action]) -> None:
+    def _on_init(
+        self,
+        key: GroupKey,
+        init: InitParams,
+        tensor_finite: bool | None,
+        now: float,
+        out: list[Action],
+    ) -> None:
         if key.learner_id != 0:
             self._close_group(
                 key,
@@ -358,7 +370,9 @@ class Coordinator:
             )
             return
         try:
-            params = decode_init(init.data, session.dtype, slot.geometry.numel)
+            params = decode_init(
+                init.data, session.dtype, slot.geometry.numel, finite=tensor_finite
+            )
         except ProtocolError as exc:
             self._close_group(
                 key, Refusal(exc.code, f"INIT fragment {init.fragment_id}: {exc.detail}"), out
@@ -375,7 +389,14 @@ class Coordinator:
         if self._registry.is_current(key):
             self._step_times.observe(key.learner_id, beat.local_step, now)
 
-    def _on_push(self, key: GroupKey, push: PushFragment, now: float, out: list[Action]) -> None:
+    def _on_push(
+        self,
+        key: GroupKey,
+        push: PushFragment,
+        tensor_finite: bool | None,
+        now: float,
+        out: list[Action],
+    ) -> None:
         if push.learner_id != key.learner_id:
             self._close_group(key, _id_mismatch("PUSH", push.learner_id, key), out)
             return
@@ -410,7 +431,10 @@ class Coordinator:
         model, session = self._require_model(), self._require_session()
         try:
             pushed = decode_push(
-                push.data, session.dtype, model.fragments[target.fragment].geometry.numel
+                push.data,
+                session.dtype,
+                model.fragments[target.fragment].geometry.numel,
+                finite=tensor_finite,
             )
         except ProtocolError as exc:
             self._close_group(

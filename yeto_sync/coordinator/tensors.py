@@ -31,7 +31,15 @@ def _codec_errors() -> Iterator[None]:
         raise RemoteProtocolError(ErrorCode.BAD_TENSOR_LENGTH, str(exc)) from exc
 
 
-def _decode(data: memoryview, dtype: WireDtype, numel: int, *, push: bool) -> F32Array:
+def _require_finite(known: bool | None, check: Callable[[], bool]) -> None:
+    """NaN/inf refuse a tensor; ``known`` is the transport's verdict from arrival, if any."""
+    if not (check() if known is None else known):
+        raise RemoteProtocolError(ErrorCode.NON_FINITE_VALUE, "tensor holds NaN or inf")
+
+
+def _decode(
+    data: memoryview, dtype: WireDtype, numel: int, *, push: bool, finite: bool | None
+) -> F32Array:
     with _codec_errors():
         decoded = decode_tensor(data, dtype, numel, push=push)
     array: F32Array = np.asarray(decoded, dtype=np.float32).reshape(-1)
@@ -39,8 +47,7 @@ def _decode(data: memoryview, dtype: WireDtype, numel: int, *, push: bool) -> F3
         raise RemoteProtocolError(
             ErrorCode.BAD_TENSOR_LENGTH, f"decoded {array.size} values, expected {numel}"
         )
-    if not all_finite(array):
-        raise RemoteProtocolError(ErrorCode.NON_FINITE_VALUE, "tensor holds NaN or inf")
+    _require_finite(finite if dtype is WireDtype.F32 else None, lambda: all_finite(array))
     return array
 
 
@@ -48,25 +55,32 @@ def _owned(array: F32Array) -> bool:
     return bool(array.flags.writeable and array.flags.owndata and array.flags.c_contiguous)
 
 
-def decode_init(data: memoryview, dtype: WireDtype, numel: int) -> F32Array:
-    """INIT tensor as an owned f32 array (never a view into a receive buffer)."""
-    array = _decode(data, dtype, numel, push=False)
+def decode_init(
+    data: memoryview, dtype: WireDtype, numel: int, *, finite: bool | None = None
+) -> F32Array:
+    """INIT tensor as an owned f32 array (never a view into a receive buffer).
+
+    ``finite``: the transport's verdict on an f32 tensor's NaN/inf, when it checked on arrival.
+    """
+    array = _decode(data, dtype, numel, push=False, finite=finite)
     return array if _owned(array) else array.copy()
 
 
-def decode_push(data: memoryview, dtype: WireDtype, numel: int) -> Pushed:
+def decode_push(
+    data: memoryview, dtype: WireDtype, numel: int, *, finite: bool | None = None
+) -> Pushed:
     """PUSH payload d = local − anchor, checked: length, q4 scales, finiteness.
 
     f32 is a read-only array view of the frame; bf16 and q4 stay in their wire bytes (a
     :class:`WireTensor`, decoded block by block by the merge). Either way the frame's buffer
     stays referenced until the round is merged, and nothing fragment-sized is allocated.
+    ``finite`` as for :func:`decode_init`.
     """
     if dtype is WireDtype.F32:
-        return _decode(data, dtype, numel, push=True)
+        return _decode(data, dtype, numel, push=True, finite=finite)
     with _codec_errors():
         pushed = WireTensor(data, dtype, numel, push=True)
-    if not pushed.all_finite():
-        raise RemoteProtocolError(ErrorCode.NON_FINITE_VALUE, "tensor holds NaN or inf")
+    _require_finite(None, pushed.all_finite)
     return pushed
 
 

@@ -20,7 +20,9 @@ The rules it enforces (PINNED.md § HELLO and DATA_HELLO, § Striping):
   (``HANDSHAKE_TIMEOUT``); once they are, :class:`~yeto_sync.events.GroupReady` is queued;
 - messages of a group that is not ready yet are held (at most ``MAX_HELD_MESSAGES``) and
   delivered right after its ``GroupReady``, so the coordinator only hears from ready groups;
-- CHUNKs from any socket of a group, stream 0 included, go to the group's reassembler;
+- CHUNKs from any socket of a group, stream 0 included, go to the group's reassembler; in an
+  f32 session each CHUNK's values are also checked for NaN/inf as it lands
+  (:mod:`.finite_scan`), and the verdict rides on the message's ``MessageReceived``;
 - any protocol error on a socket sends ERROR on that socket and closes the whole group (its
   partial messages die with it) with :class:`~yeto_sync.events.GroupClosed`; other groups are
   untouched.
@@ -49,6 +51,7 @@ from yeto_proto import (
     Reassembler,
     RemoteProtocolError,
     Role,
+    WireDtype,
     encode,
 )
 from yeto_proto.constants import ERROR_TEXT_LIMIT, STRIPED_TYPES
@@ -63,6 +66,7 @@ from ..events import (
     HelloReceived,
     MessageReceived,
 )
+from .finite_scan import FiniteScan
 
 HANDSHAKE_TIMEOUT_S = 10.0
 ATTACH_TIMEOUT_S = 10.0
@@ -170,10 +174,16 @@ class _Group:
         "ready",
         "held",
         "deadline",
+        "scan",
     )
 
     def __init__(
-        self, key: GroupKey, control: ConnId, num_streams: int, limits: Limits, deadline: float
+        self,
+        key: GroupKey,
+        control: ConnId,
+        num_streams: int,
+        limits: Limits,
+        deadline: float,
     ) -> None:
         self.key = key
         self.control = control
@@ -183,8 +193,9 @@ class _Group:
         self.reassembler = Reassembler(Role.SYNCER, limits)
         self.slicer = ChunkSlicer(num_streams) if num_streams else None
         self.ready = False
-        self.held: list[AnyMessage] = []
+        self.held: list[MessageReceived] = []
         self.deadline: float | None = deadline
+        self.scan = FiniteScan() if limits.dtype is WireDtype.F32 else None
 
     def members(self) -> list[ConnId]:
         return [self.control, *self.data.values()]
@@ -499,18 +510,24 @@ class ConnectionGroups:
         group.ready, group.deadline = True, None
         self.events.append(GroupReady(group.key))
         held, group.held = group.held, []
-        self.events.extend(MessageReceived(group.key, m) for m in held)
+        self.events.extend(held)
 
     def _deliver(self, group: _Group, message: AnyMessage) -> None:
+        finite: bool | None = None
         if isinstance(message, Chunk):
             inner = group.reassembler.add(message)
+            if group.scan is not None:
+                group.scan.chunk_done(message)
             if inner is None:
                 return
+            if group.scan is not None:
+                finite = group.scan.verdict(message.msg_id, inner)
             message = inner
+        event = MessageReceived(group.key, message, finite)
         if group.ready:
-            self.events.append(MessageReceived(group.key, message))
+            self.events.append(event)
         elif len(group.held) < MAX_HELD_MESSAGES:
-            group.held.append(message)
+            group.held.append(event)
         else:
             raise RemoteProtocolError(
                 ErrorCode.GROUP_NOT_READY,

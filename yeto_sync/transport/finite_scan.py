@@ -1,0 +1,116 @@
+"""NaN/inf checks of striped f32 tensors, one CHUNK at a time, as the CHUNKs land.
+
+A PUSH (or INIT) of an f32 session must be refused when its tensor holds NaN or inf, and that is
+decided when the message is complete. Checking all 64 MiB then costs the event loop several
+milliseconds in the one place nothing else can proceed: the round waits for its last push.
+CHUNKs of a striped message arrive over tens of milliseconds, so :class:`FiniteScan` checks each
+CHUNK's whole values right after the CHUNK's last byte arrives — still in cache, and while a
+link slower than the syncer leaves the event loop waiting for the next read anyway — and keeps
+the verdict; at completion only the few values that straddle two CHUNKs are left. The verdict travels to the coordinator as
+:attr:`yeto_sync.events.MessageReceived.tensor_finite`; the coordinator still decides, at its
+usual place in its checks, what a non-finite tensor means.
+
+The scan is advisory and never raises: anything it cannot place (a frame type without an f32
+tensor, a malformed header) leaves the verdict ``None`` and the coordinator checks in full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from yeto_proto import AnyMessage, Chunk, InitParams, PushFragment
+from yeto_proto.constants import HEADER_SIZE, FrameType
+from yeto_proto.dtypes import all_finite
+from yeto_proto.schema import PREFIX_STRUCTS
+
+_F32 = np.dtype("<f4")
+_VALUE = _F32.itemsize
+_TYPE_OFFSET = 4  # magic:u32, then type:u8
+#: Where the tensor starts inside a reassembled message of each scanned type.
+_TENSOR_START = {
+    t: HEADER_SIZE + PREFIX_STRUCTS[t].size
+    for t in (FrameType.INIT_PARAMS, FrameType.PUSH_FRAGMENT)
+}
+
+
+@dataclass
+class _Scan:
+    tensor_start: int | None = None
+    #: CHUNKs that arrived before the one holding the frame type (which says where values are).
+    waiting: list[Chunk] = field(default_factory=list)
+    #: Tensor value indices that straddle a CHUNK boundary: checked once the message is whole.
+    straddling: list[int] = field(default_factory=list)
+    finite: bool = True
+    scannable: bool = True
+
+
+class FiniteScan:
+    """Per-group verdicts on the f32 tensors of messages still being reassembled."""
+
+    def __init__(self) -> None:
+        self._scans: dict[int, _Scan] = {}
+
+    def chunk_done(self, chunk: Chunk) -> None:
+        """``chunk`` was accepted by the reassembler: check its whole values now."""
+        scan = self._scans.setdefault(chunk.msg_id, _Scan())
+        if not scan.scannable:
+            return
+        if chunk.offset <= _TYPE_OFFSET < chunk.offset + len(chunk.data):
+            start = _tensor_start(chunk.data[_TYPE_OFFSET - chunk.offset])
+            if start is None:
+                scan.scannable = False
+                scan.waiting.clear()
+                return
+            scan.tensor_start = start
+            waiting, scan.waiting = scan.waiting, []
+            for earlier in waiting:
+                self._check(scan, earlier)
+        if scan.tensor_start is None:
+            scan.waiting.append(chunk)
+            return
+        self._check(scan, chunk)
+
+    def verdict(self, msg_id: int, message: AnyMessage) -> bool | None:
+        """The finiteness of the completed ``message``'s tensor, or ``None`` if not scanned."""
+        scan = self._scans.pop(msg_id, None)
+        if scan is None or not scan.scannable or scan.tensor_start is None:
+            return None
+        if not isinstance(message, PushFragment | InitParams):
+            return None
+        if not scan.finite:
+            return False
+        data = message.data
+        for index in scan.straddling:
+            value = data[index * _VALUE : (index + 1) * _VALUE]
+            if len(value) == _VALUE and not np.isfinite(np.frombuffer(value, _F32)[0]):
+                return False
+        return True
+
+    @staticmethod
+    def _check(scan: _Scan, chunk: Chunk) -> None:
+        assert scan.tensor_start is not None
+        begin, end = chunk.offset, chunk.offset + len(chunk.data)
+        if end <= scan.tensor_start:
+            return
+        start = scan.tensor_start
+        first = -(-(max(begin, start) - start) // _VALUE)  # the first value wholly inside
+        stop = (end - start) // _VALUE  # one past the last value wholly inside
+        if (end - start) % _VALUE and end < chunk.total_len:
+            scan.straddling.append(stop)
+        if stop <= first or not scan.finite:
+            return
+        values = np.frombuffer(
+            chunk.data, _F32, count=stop - first, offset=start + first * _VALUE - begin
+        )
+        if not all_finite(values):
+            scan.finite = False
+
+
+def _tensor_start(type_byte: int) -> int | None:
+    try:
+        frame_type = FrameType(type_byte)
+    except ValueError:
+        return None
+    return _TENSOR_START.get(frame_type)
