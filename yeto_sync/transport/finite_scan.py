@@ -6,9 +6,9 @@ milliseconds in the one place nothing else can proceed: the round waits for its 
 CHUNKs of a striped message arrive over tens of milliseconds, so :class:`FiniteScan` checks each
 CHUNK's whole values right after the CHUNK's last byte arrives — still in cache, and while a
 link slower than the syncer leaves the event loop waiting for the next read anyway — and keeps
-the verdict; at completion only the few values that straddle two CHUNKs are left. The verdict travels to the coordinator as
-:attr:`yeto_sync.events.MessageReceived.tensor_finite`; the coordinator still decides, at its
-usual place in its checks, what a non-finite tensor means.
+the verdict; at completion only the few values that straddle two CHUNKs are left. The verdict
+travels to the coordinator as :attr:`yeto_sync.events.MessageReceived.tensor_finite`; the
+coordinator still decides, at its usual place in its checks, what a non-finite tensor means.
 
 The scan is advisory and never raises: anything it cannot place (a frame type without an f32
 tensor, a malformed header) leaves the verdict ``None`` and the coordinator checks in full.
