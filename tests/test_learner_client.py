@@ -36,11 +36,13 @@ from yeto_learn.transport import (
 from yeto_proto import (
     AnyMessage,
     BcastFragment,
+    BudgetDone,
     Chunk,
     ChunkSlicer,
     DataHello,
     ErrorCode,
     ErrorMessage,
+    FinalAck,
     FrameDecoder,
     Heartbeat,
     Hello,
@@ -48,6 +50,7 @@ from yeto_proto import (
     Limits,
     MergeMode,
     PullReq,
+    PushFragment,
     Reassembler,
     Role,
     WireDtype,
@@ -283,6 +286,24 @@ def test_a_lost_group_is_redialed_after_a_second_with_a_fresh_generation(
     assert second.control.read() == Heartbeat(3, 77)
     first.close()
     second.close()
+
+
+def test_messages_queued_behind_a_stuck_frame_come_back_unsent_when_the_group_dies(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    client = start_client(make_client, syncer.port, num_streams=0, heartbeat_interval=60)
+    group = syncer.accept_group(0)
+    assert isinstance(next_item(client), GroupUp)
+    big = PushFragment(3, 0, 1, 1, 0, 1, 1, 1, memoryview(bytes(64 << 20)))  # S=0: stream 0
+    client.send(1, big)  # the syncer never reads it: it stays half-written
+    client.send(1, BudgetDone(7))
+    client.send(1, FinalAck(9))
+    time.sleep(0.5)  # the PUSH fills the socket buffers
+    group.close()
+    items = [next_item(client) for _ in range(3)]
+    # The PUSH had begun (the syncer may hold part of it): never reported as unsent.
+    assert items[:2] == [Undelivered(1, BudgetDone(7)), Undelivered(1, FinalAck(9))]
+    assert isinstance(items[2], GroupLost)
 
 
 def test_a_frame_cut_short_by_a_lost_connection_is_redialed_not_fatal(

@@ -8,8 +8,8 @@ thread-safe queues:
 * the **outbox** (training → client): ``(epoch, message)`` pairs; a write to a self-pipe wakes
   the event loop. A message for any epoch but the current group's is not sent: what was queued
   for a dead group never reaches the next one (spec: a message never straddles generations).
-  It comes back through the inbox as ``Undelivered``, so nothing is lost without the training
-  thread knowing.
+  It comes back through the inbox as ``Undelivered``, as does every whole message still queued
+  unbegun when its group dies, so nothing is lost without the training thread knowing.
 
 The client knows nothing of anchors or pulls (that is :class:`~yeto_learn.session.
 LearnerSession`, driven by the training thread); it dials groups, frames, stripes and
@@ -316,6 +316,9 @@ class SyncerClient:
                 tasks.cancel_scope.cancel()
         finally:
             self._group = None
+            for message in group.unsent:  # queued for this group, never begun on its socket
+                self.counters.frames_dropped += 1
+                self._post(Undelivered(epoch, message))
             self._post(GroupLost(epoch, group.reason))
         if violation is not None:
             raise violation

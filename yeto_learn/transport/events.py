@@ -41,7 +41,10 @@ class Received:
 
 @dataclass(frozen=True, slots=True)
 class Undelivered:
-    """``message`` was queued for the group of ``epoch``, which was gone: it was never sent.
+    """``message`` was meant for the group of ``epoch``, and not one byte of it was sent.
+
+    Either that group was gone when the message was dispatched, or it died while the message
+    still waited behind other frames.
 
     The training thread decides whether it belongs on the next group (BUDGET_DONE does: the
     syncer never saw it) or died with its group (pushes, acks).

@@ -11,7 +11,9 @@ and go out whole with ``socket.sendmsg``, one writer task per socket. INIT and P
 into CHUNKs dealt round-robin over the data sockets; with none they go plain on stream 0.
 
 Any socket failing, closing or stalling ends the whole group (spec/learner.md §1.6): partial
-CHUNK messages and queued frames die with it.
+CHUNK messages and queued frames die with it; the whole messages of which no byte was written
+are listed in :attr:`ConnectionGroup.unsent`, so the sender can tell "never sent" from "maybe
+received".
 """
 
 from __future__ import annotations
@@ -62,15 +64,24 @@ class Counters:
 
 
 @dataclass(eq=False)
+class _Outgoing:
+    frame: Buffers
+    #: The whole message this frame carries (``None`` for one CHUNK of a striped message).
+    message: AnyMessage | None = None
+    #: Some byte of it went into the socket: it may have reached the syncer.
+    started: bool = False
+
+
+@dataclass(eq=False)
 class _Stream:
     index: int  # 0 = control; 1 + stream_idx for data sockets
     sock: socket.socket
     decoder: FrameDecoder
-    queue: deque[Buffers] = field(default_factory=deque)
+    queue: deque[_Outgoing] = field(default_factory=deque)
     ready: anyio.Event = field(default_factory=anyio.Event)
 
-    def put(self, frame: Buffers) -> None:
-        self.queue.append(frame)
+    def put(self, frame: Buffers, message: AnyMessage | None = None) -> None:
+        self.queue.append(_Outgoing(frame, message))
         self.ready.set()
 
 
@@ -151,6 +162,8 @@ class ConnectionGroup:
         self._draining = False
         #: The syncer sent at least one frame on this group.
         self.received_any = False
+        #: Once the group ended: whole messages of which no byte was written (in send order).
+        self.unsent: list[AnyMessage] = []
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, message: AnyMessage) -> None:
@@ -160,7 +173,7 @@ class ConnectionGroup:
             return
         frame = encode(message)
         if self._slicer is None or message.TYPE not in STRIPED_TYPES:
-            self._streams[0].put(frame)
+            self._streams[0].put(frame, message)
             return
         for piece in self._slicer.slice(frame):
             self._streams[1 + piece.stream_idx].put(piece.buffers)
@@ -189,6 +202,11 @@ class ConnectionGroup:
             self._end("closed")
             for stream in self._streams:
                 _close_quietly(stream.sock)
+                self.unsent += [
+                    out.message
+                    for out in stream.queue
+                    if out.message is not None and not out.started
+                ]
                 stream.queue.clear()
             self._reassembler.clear()
         if self._violation is not None:
@@ -298,8 +316,8 @@ class ConnectionGroup:
             if queue:
                 queue.popleft()
 
-    async def _write_frame(self, sock: socket.socket, frame: Buffers) -> None:
-        pending = OutgoingBuffers(frame, IOV_BATCH)
+    async def _write_frame(self, sock: socket.socket, outgoing: _Outgoing) -> None:
+        pending = OutgoingBuffers(outgoing.frame, IOV_BATCH)
         while not pending.done:
             try:
                 sent = sock.sendmsg(pending.batch())
@@ -311,5 +329,6 @@ class ConnectionGroup:
                 if waited.cancelled_caught:
                     raise GroupBroken(f"the syncer accepted no byte for {self._stall_timeout:g} s")
                 continue
+            outgoing.started = True
             self._counters.bytes_sent += sent
             pending.advance(sent)
