@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from numpy.typing import ArrayLike, NDArray
 
 from yeto_proto.constants import IsoBackend, MergeMode, WireDtype
+from yeto_proto.dtypes import f32_to_bf16
 from yeto_proto.identity import DeltaCorrection, LearnerWeight
 from yeto_proto.layout import WireFragment
 from yeto_sync import merge as merge_module
@@ -802,6 +803,27 @@ def test_outer_step_bits_do_not_depend_on_threads(
     assert_bits(result.momentum, buf)
     assert_bits(result.params, theta)
     assert result.gnorm == gnorm(delta)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("mode", [MergeMode.AVG, MergeMode.RDA])
+def test_the_step_writes_the_new_params_as_bf16_bits_for_the_broadcast(
+    threads: int, mode: MergeMode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import yeto_sync.merge as merge_module
+
+    monkeypatch.setattr(merge_module, "_STEP_THREADS", threads)
+    n = merge_module._THREADED_MIN + 777
+    geometry = fragment(mode, (1, n))
+    grads = random_grads(41, 2, n, scale=1e-3)
+    rs = [response(0, grads[0]), response(1, grads[1])]
+    params, momentum = random_grads(42, 2, n)
+    params[:3] = [np.float32(3.0e38), -0.0, np.float32(1e-40)]  # rounding edge, sign, subnormal
+    bits = np.full(n, 0xFFFF, np.uint16)  # garbage must be overwritten
+    result = merge_round(geometry, rs, params, momentum, {}, NO_CORRECTION, params_bf16=bits)
+    assert np.array_equal(bits, f32_to_bf16(result.params))
+    with pytest.raises(ValueError, match="params_bf16"):
+        merge_round(geometry, rs, params, momentum, {}, NO_CORRECTION, params_bf16=bits[1:])
 
 
 def test_merge_round_takes_its_arrays_from_allocate_and_writes_no_argument() -> None:

@@ -39,6 +39,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from yeto_proto.constants import IsoBackend, MergeMode
+from yeto_proto.dtypes import f32_to_bf16
 from yeto_proto.identity import DeltaCorrection, LearnerWeight
 from yeto_proto.layout import WireFragment
 from yeto_proto.wire_tensor import WireTensor
@@ -696,9 +697,14 @@ class _StepPass:
         mu: float,
         new_params: F32Array,
         new_momentum: F32Array,
+        params_bf16: NDArray[np.uint16] | None = None,
     ) -> None:
         if (delta is None) == (plain_sum is None):
             raise ValueError("give exactly one of delta and plain_sum")
+        if params_bf16 is not None and params_bf16.shape != new_params.shape:
+            raise ValueError("params_bf16 must hold one bf16 per parameter")
+        #: Where the new params' bf16 bit patterns go, block by block (None: not wanted).
+        self.params_bf16 = params_bf16
         self.params, self.momentum, self.delta = params, momentum, delta
         self.terms: list[Term] = [] if plain_sum is None else plain_sum[0]
         self.coefs: list[float] = [] if plain_sum is None else plain_sum[1]
@@ -737,6 +743,8 @@ class _StepPass:
                         raise MergeError(
                             "outer step produced non-finite parameters or momentum; commit refused"
                         )
+                if self.params_bf16 is not None:  # while the block is in cache
+                    f32_to_bf16(theta, out=self.params_bf16[start:stop])
                 squares.append(_block_squares(d, wide[:size]))
         return squares
 
@@ -792,12 +800,15 @@ def merge_round(
     config: MergeConfig,
     iso_solver: IsoSolver = SCALAR_ISO_SOLVER,
     allocate: Allocate | None = None,
+    params_bf16: NDArray[np.uint16] | None = None,
 ) -> RoundMerge:
     """Merge, outer step and ledger of one round, all or nothing (:class:`MergeError`).
 
     The new Δ, params and momentum come from ``allocate`` (a pool that recycles a fragment's
     previous arrays avoids page-faulting fresh memory every round); ``params`` and
-    ``momentum`` are only read.
+    ``momentum`` are only read. ``params_bf16``, when given, receives the new params' bf16 bit
+    patterns (a bf16 broadcast's payload), written by the same pass while each block is in
+    cache; after a :class:`MergeError` its contents mean nothing.
     """
     ordered = merge_order(responses)
     _check_round_inputs(geometry, ordered, momentum)
@@ -818,6 +829,7 @@ def merge_round(
             config.outer_momentum,
             new_params,
             new_momentum,
+            params_bf16,
         )
     )
     weights = learner_weights(ordered, config.learner_weight)

@@ -75,7 +75,14 @@ from .schedule import (
     target_fragment,
 )
 from .state import GlobalModel
-from .tensors import bcast_message, decode_init, decode_push, final_fragment_message
+from .tensors import (
+    bcast_bf16_target,
+    bcast_message,
+    bcast_of_bf16,
+    decode_init,
+    decode_push,
+    final_fragment_message,
+)
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -776,6 +783,7 @@ class Coordinator:
         slot = model.fragments[done.fragment]
         params, momentum = slot.arrays()
         merge_started = self._work_clock() if self._work_clock is not None else 0.0
+        bcast_bf16 = bcast_bf16_target(session.dtype, slot.geometry.numel, model.arrays.take_bytes)
         try:
             merged = merge_round(
                 slot.geometry,
@@ -786,6 +794,7 @@ class Coordinator:
                 self._merge_config,
                 self._solver,
                 model.arrays.take,
+                bcast_bf16,
             )
         except MergeError as exc:
             reason = f"round {done.step} (fragment {done.fragment}) failed to commit: {exc}"
@@ -800,6 +809,8 @@ class Coordinator:
         model.commit(done.step, done.fragment, merged)
         self._last_sync_s = sync_s
         self._bcasts.pop(done.fragment, None)
+        if bcast_bf16 is not None:  # encoded by the merge pass itself
+            self._bcasts[done.fragment] = bcast_of_bf16(done.fragment, done.step, bcast_bf16)
         if self.config.checkpoint_enabled and done.step % self.config.checkpoint_every == 0:
             # Durable before the broadcast below leaves (the transport runs actions in order).
             out.append(WriteCheckpoint(self._snapshot(session)))

@@ -101,6 +101,24 @@ def bcast_message(
     return BcastFragment(fragment, version, encode_tensor(params, dtype, push=False, out=out).data)
 
 
+def bcast_bf16_target(
+    dtype: WireDtype, numel: int, allocate_bytes: Callable[[int], NDArray[np.uint8]]
+) -> NDArray[np.uint16] | None:
+    """Where a merge writes the next BCAST's bf16 payload, or None in an f32 session.
+
+    The BCAST is bf16 in bf16 and q4 sessions alike, so the commit can encode it as it steps
+    (``merge_round(params_bf16=...)``) instead of in a second pass over the new params.
+    """
+    if dtype is WireDtype.F32:
+        return None
+    return allocate_bytes(tensor_nbytes(dtype, numel, push=False)).view(np.uint16)
+
+
+def bcast_of_bf16(fragment: int, version: int, bits: NDArray[np.uint16]) -> BcastFragment:
+    """BCAST whose payload is the bf16 bit patterns a merge wrote (:func:`bcast_bf16_target`)."""
+    return BcastFragment(fragment, version, bits.view(np.uint8).data)
+
+
 def final_fragment_message(fragment: int, version: int, params: F32Array) -> FinalFragment:
     """FINAL_FRAGMENT: always little-endian f32, straight from the stored array."""
     little = np.ascontiguousarray(params, dtype="<f4")
