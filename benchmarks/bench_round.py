@@ -18,7 +18,8 @@ Parts (``--part``, comma separated; default all):
   through the syncer per round as counted on the learners' sockets, and the daemon's peak RSS
   (``VmHWM`` of ``/proc/<pid>/status``, read after the final cut, before the FINAL_ACKs).
   Learners pre-compute their f32 delta, encode it in the session dtype when pulled (q4 and bf16
-  encoding are part of the round) and do not decode BCASTs (no learner compute is timed).
+  encoding are part of the round; f32 goes out as the delta's own bytes, as (a) sends them) and
+  do not decode BCASTs (no learner compute is timed).
   Beside them, in the same run: (a) plain blocking Python sockets moving the same bytes (M
   clients send the push bytes to one server — a thread per client, ``recv_into`` preallocated
   buffers — which then ``sendall``\\ s the bcast bytes back), (b) ``torch.distributed`` gloo
@@ -240,7 +241,10 @@ class BenchLearner:
         rng = np.random.default_rng(plan.learner_id + 1)
         self.deltas = [rng.normal(0.0, 1e-3, n).astype(np.float32) for n in plan.numels]
         self.encoded = [
-            np.empty(tensor_nbytes(self.dtype, n, push=True), np.uint8) for n in plan.numels
+            np.empty(tensor_nbytes(self.dtype, n, push=True), np.uint8)
+            if self.dtype is not WireDtype.F32
+            else np.empty(0, np.uint8)
+            for n in plan.numels
         ]
         self.sockets: list[socket.socket] = []
         self.decoders: dict[socket.socket, FrameDecoder] = {}
@@ -395,9 +399,9 @@ class BenchLearner:
 
     def _push(self, pull: PullReq) -> None:
         fragment = pull.fragment_id
-        payload = encode_tensor(
-            self.deltas[fragment], self.dtype, push=True, out=self.encoded[fragment]
-        )
+        # f32 needs no encoding: its wire bytes are the delta's own (a view, as (a) sends them).
+        out = None if self.dtype is WireDtype.F32 else self.encoded[fragment]
+        payload = encode_tensor(self.deltas[fragment], self.dtype, push=True, out=out)
         push = PushFragment(
             learner_id=self.plan.learner_id,
             fragment_id=fragment,
