@@ -674,6 +674,31 @@ def test_nesterov_matches_f32_reference_bit_for_bit(
         assert_bits(kept, original)
 
 
+SPECIAL_F32 = st.sampled_from([math.nan, math.inf, -math.inf, 3.0e38, -3.0e38, 1.0, 0.0, -0.0])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    values=st.lists(st.tuples(SPECIAL_F32, SPECIAL_F32, SPECIAL_F32), min_size=1, max_size=6),
+    lr=st.sampled_from([0.0, 0.7, 1.0, 2.0]),
+    mu=st.sampled_from([0.0, 0.9, 1.0]),
+)
+def test_the_step_is_refused_exactly_when_delta_momentum_or_params_end_non_finite(
+    values: list[tuple[float, float, float]], lr: float, mu: float
+) -> None:
+    params, buf, delta = (f32([v[i] for v in values]) for i in range(3))
+    with np.errstate(all="ignore"):
+        expected_p, expected_b = ref_nesterov(params, buf, delta, lr, mu)
+    bad = not all(np.isfinite(a).all() for a in (delta, expected_b, expected_p))
+    if bad:
+        with pytest.raises(MergeError):
+            nesterov_step(params, buf, delta, lr, mu)
+    else:
+        new_params, new_buf = nesterov_step(params, buf, delta, lr, mu)
+        assert_bits(new_params, expected_p)
+        assert_bits(new_buf, expected_b)
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_non_finite_delta_fails_the_commit_without_touching_state(bad: float) -> None:
     params, buf = f32([1.0, 2.0]), f32([0.5, 0.5])

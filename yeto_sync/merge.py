@@ -735,8 +735,9 @@ class _StepPass:
                 np.add(theta, d, out=theta)
                 np.multiply(theta, self.lr32, out=theta)
                 np.subtract(self.params[start:stop], theta, out=theta)
-                # A non-finite Δ always shows in μ·buf + Δ, so two sums cover all three arrays.
-                if not (_finite_sum(buf) and _finite_sum(theta)):
+                # θ' = θ − lr·(μ·buf' + Δ) is non-finite whenever buf' or Δ is (0·inf is NaN
+                # too), so one sum covers all three arrays; the exact checks say which failed.
+                if not _finite_sum(theta):
                     if not _all_finite(d):
                         raise MergeError("merged outer gradient is not finite; commit refused")
                     if not (_all_finite(buf) and _all_finite(theta)):
