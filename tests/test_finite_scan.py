@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +26,7 @@ from yeto_proto import (
     encode,
 )
 from yeto_proto.constants import FrameType
-from yeto_sync.transport.finite_scan import FiniteScan
+from yeto_sync.transport.finite_scan import MAX_TRACKED, FiniteScan
 
 NUMEL = 97
 LIMITS = Limits.of(WireDtype.F32, WireLayout((WireFragment(MergeMode.AVG, (NUMEL,)),)))
@@ -102,3 +103,24 @@ def test_frames_without_an_f32_tensor_get_no_verdict() -> None:
     scan.chunk_done(junk)
     assert scan.verdict(4, FinalAck(3)) is None
     assert scan.verdict(123, FinalAck(3)) is None  # never seen
+
+
+@pytest.mark.parametrize("backwards", [False, True])
+def test_a_message_in_countless_tiny_chunks_gets_no_verdict_and_bounded_state(
+    backwards: bool,
+) -> None:
+    numel = 1000
+    limits = Limits.of(WireDtype.F32, WireLayout((WireFragment(MergeMode.AVG, (numel,)),)))
+    message = push_of(np.arange(numel, dtype=np.float32))
+    chunks = chunks_of(message, 1)  # 1-byte slices: most values straddle a boundary
+    assert len(chunks) > MAX_TRACKED
+    reassembler, scan = Reassembler(Role.SYNCER, limits), FiniteScan()
+    inner = None
+    # Forwards every boundary splits a value; backwards the frame type comes last: all wait.
+    for chunk in reversed(chunks) if backwards else chunks:
+        inner = reassembler.add(chunk)
+        scan.chunk_done(chunk)
+        state = scan._scans.get(chunk.msg_id)
+        assert state is None or len(state.waiting) + len(state.straddling) <= MAX_TRACKED
+    assert inner == message
+    assert scan.verdict(chunks[0].msg_id, inner) is None

@@ -11,7 +11,8 @@ travels to the coordinator as :attr:`yeto_sync.events.MessageReceived.tensor_fin
 coordinator still decides, at its usual place in its checks, what a non-finite tensor means.
 
 The scan is advisory and never raises: anything it cannot place (a frame type without an f32
-tensor, a malformed header) leaves the verdict ``None`` and the coordinator checks in full.
+tensor, a malformed header, a message cut into more tiny CHUNKs than :data:`MAX_TRACKED`) leaves
+the verdict ``None`` and the coordinator checks in full.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from yeto_proto.schema import PREFIX_STRUCTS
 _F32 = np.dtype("<f4")
 _VALUE = _F32.itemsize
 _TYPE_OFFSET = 4  # magic:u32, then type:u8
+#: CHUNKs held back plus boundary values remembered, per message, before the scan gives up
+#: (verdict ``None``): ordinary striping needs a few dozen; a peer slicing into tiny CHUNKs must
+#: not make the scan's memory grow with them.
+MAX_TRACKED = 1024
 #: Where the tensor starts inside a reassembled message of each scanned type.
 _TENSOR_START = {
     t: HEADER_SIZE + PREFIX_STRUCTS[t].size
@@ -69,8 +74,12 @@ class FiniteScan:
                 self._check(scan, earlier)
         if scan.tensor_start is None:
             scan.waiting.append(chunk)
-            return
-        self._check(scan, chunk)
+        else:
+            self._check(scan, chunk)
+        if len(scan.waiting) + len(scan.straddling) > MAX_TRACKED:
+            scan.scannable = False
+            scan.waiting.clear()
+            scan.straddling.clear()
 
     def verdict(self, msg_id: int, message: AnyMessage) -> bool | None:
         """The finiteness of the completed ``message``'s tensor, or ``None`` if not scanned."""
