@@ -174,6 +174,16 @@ def start_client(clients: list[SyncerClient], port: int, **options: float | int)
     return client
 
 
+def open_group(
+    clients: list[SyncerClient], syncer: ScriptedSyncer, num_streams: int, **options: float
+) -> tuple[SyncerClient, ScriptedGroup]:
+    """A started client whose first group the scripted syncer accepted (its GroupUp taken)."""
+    client = start_client(clients, syncer.port, num_streams=num_streams, **options)
+    group = syncer.accept_group(num_streams)
+    assert isinstance(next_item(client), GroupUp)
+    return client, group
+
+
 def next_item(client: SyncerClient, timeout: float = 5.0) -> InboxItem:
     item = client.wait(timeout)
     assert item is not None, "the client delivered nothing in time"
@@ -237,9 +247,7 @@ def test_without_data_sockets_bulk_frames_go_plain_on_stream_0(
 def test_chunks_from_any_socket_are_reassembled_and_heartbeats_carry_local_step(
     syncer: ScriptedSyncer, make_client: list[SyncerClient]
 ) -> None:
-    client = start_client(make_client, syncer.port, num_streams=2, heartbeat_interval=0.2)
-    group = syncer.accept_group(2)
-    assert isinstance(next_item(client), GroupUp)
+    client, group = open_group(make_client, syncer, 2, heartbeat_interval=0.2)
     client.local_step = 41
     heartbeat = group.control.read()
     assert heartbeat == Heartbeat(3, 41)
@@ -266,9 +274,7 @@ def test_chunks_from_any_socket_are_reassembled_and_heartbeats_carry_local_step(
 def test_a_lost_group_is_redialed_after_a_second_with_a_fresh_generation(
     syncer: ScriptedSyncer, make_client: list[SyncerClient]
 ) -> None:
-    client = start_client(make_client, syncer.port, num_streams=1, heartbeat_interval=60)
-    first = syncer.accept_group(1)
-    assert isinstance(next_item(client), GroupUp)
+    client, first = open_group(make_client, syncer, 1, heartbeat_interval=60)
     first.data[0].sock.close()  # one socket fails: the whole group goes
     lost_at = time.monotonic()
     lost = next_item(client)
@@ -291,9 +297,7 @@ def test_a_lost_group_is_redialed_after_a_second_with_a_fresh_generation(
 def test_messages_queued_behind_a_stuck_frame_come_back_unsent_when_the_group_dies(
     syncer: ScriptedSyncer, make_client: list[SyncerClient]
 ) -> None:
-    client = start_client(make_client, syncer.port, num_streams=0, heartbeat_interval=60)
-    group = syncer.accept_group(0)
-    assert isinstance(next_item(client), GroupUp)
+    client, group = open_group(make_client, syncer, 0, heartbeat_interval=60)
     big = PushFragment(3, 0, 1, 1, 0, 1, 1, 1, memoryview(bytes(64 << 20)))  # S=0: stream 0
     client.send(1, big)  # the syncer never reads it: it stays half-written
     client.send(1, BudgetDone(7))
@@ -309,9 +313,7 @@ def test_messages_queued_behind_a_stuck_frame_come_back_unsent_when_the_group_di
 def test_a_frame_cut_short_by_a_lost_connection_is_redialed_not_fatal(
     syncer: ScriptedSyncer, make_client: list[SyncerClient]
 ) -> None:
-    client = start_client(make_client, syncer.port, num_streams=0, heartbeat_interval=60)
-    first = syncer.accept_group(0)
-    assert isinstance(next_item(client), GroupUp)
+    client, first = open_group(make_client, syncer, 0, heartbeat_interval=60)
     first.control.sock.sendall(encode_bytes(PullReq(0, 1, 1))[:20])  # header and a bit more
     first.close()
     lost = next_item(client)
@@ -341,9 +343,7 @@ def test_nothing_listening_fails_within_the_connect_timeout(
 def test_a_decoding_error_is_fatal_and_not_redialed(
     syncer: ScriptedSyncer, make_client: list[SyncerClient]
 ) -> None:
-    client = start_client(make_client, syncer.port, num_streams=1, heartbeat_interval=60)
-    group = syncer.accept_group(1)
-    assert isinstance(next_item(client), GroupUp)
+    client, group = open_group(make_client, syncer, 1, heartbeat_interval=60)
     group.control.sock.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
     items = [next_item(client), next_item(client)]
     assert isinstance(items[0], GroupLost)
@@ -357,9 +357,7 @@ def test_a_decoding_error_is_fatal_and_not_redialed(
 def test_after_error_the_client_reports_it_and_never_redials(
     syncer: ScriptedSyncer, make_client: list[SyncerClient]
 ) -> None:
-    client = start_client(make_client, syncer.port, num_streams=1, heartbeat_interval=60)
-    group = syncer.accept_group(1)
-    assert isinstance(next_item(client), GroupUp)
+    client, group = open_group(make_client, syncer, 1, heartbeat_interval=60)
     group.control.send(ErrorMessage("session layout mismatch"))
     group.close()
     received = next_item(client)
