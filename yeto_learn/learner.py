@@ -239,7 +239,7 @@ class Learner:
         self.budget_reported = False
         #: The connection epoch BUDGET_DONE went out on: its late pulls stay unanswered.
         self._budget_epoch: int | None = None
-        #: BUDGET_DONE that came back unsent (its group was gone) and the epoch it was for.
+        #: BUDGET_DONE that came back unsent (no byte of it was written) and the epoch it was for.
         self._unsent_budget: tuple[int, BudgetDone] | None = None
 
         params = trainable_parameters(model)
