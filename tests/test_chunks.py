@@ -37,6 +37,7 @@ from yeto_proto import (
     encode,
     encode_bytes,
 )
+from yeto_proto.constants import MAX_CHUNK_RANGES
 from yeto_proto.frames import header
 
 if TYPE_CHECKING:
@@ -277,6 +278,39 @@ def test_rule_overlap_with_a_later_span_and_neighbours_that_touch() -> None:
     assert reassembler.add(Chunk(0, 281, 200, zeros(81))) is None
     assert reassembler.add(Chunk(0, 281, 100, zeros(100))) is None  # touches, does not overlap
     expect(ErrorCode.CHUNK_OVERLAP, reassembler, Chunk(0, 281, 0, zeros(101)))
+
+
+BIG_LIMITS = Limits.of(WireDtype.F32, WireLayout((WireFragment(MergeMode.AVG, (4096,)),)))
+
+
+def test_rule_too_fragmented_counts_separate_ranges_only() -> None:
+    message = BcastFragment(0, 2, np.arange(4096, dtype="<f4").data)
+    raw = encode_bytes(message)  # 16,409 bytes: room for 4,096 one-byte ranges with gaps
+    total = len(raw)
+
+    def one_byte(offset: int) -> Chunk:
+        return Chunk(0, total, offset, memoryview(raw)[offset : offset + 1])
+
+    # One byte at a time, in order or backwards: touching ranges merge, nothing is refused.
+    for order in (range(total), reversed(range(total))):
+        reassembler = Reassembler(Role.LEARNER, BIG_LIMITS)
+        results = [reassembler.add(one_byte(i)) for i in order]
+        assert results[-1] == message and not any(results[:-1])
+    # Every other byte first: the 4,097th separate range is one too many.
+    reassembler = Reassembler(Role.LEARNER, BIG_LIMITS)
+    for offset in range(0, 2 * MAX_CHUNK_RANGES, 2):
+        assert reassembler.add(one_byte(offset)) is None
+    expect(ErrorCode.CHUNK_OVERLAP, reassembler, one_byte(0))  # rule 8 before rule 9
+    assert reassembler.add(one_byte(1)) is None  # joins two ranges: fewer, not more
+    assert reassembler.add(one_byte(2 * MAX_CHUNK_RANGES + 2)) is None  # back to 4,096
+    expect(ErrorCode.CHUNK_TOO_FRAGMENTED, reassembler, one_byte(2 * MAX_CHUNK_RANGES + 4))
+
+
+@pytest.mark.parametrize("total_len", [13, 4 * MiB, 4 * MiB + 1, 1 << 40, (1 << 44) + 7])
+def test_rule_too_fragmented_never_refuses_4_mib_slicing(total_len: int) -> None:
+    # At most one range per 4 MiB slice, whatever the arrival order, against a cap of at least 2x.
+    slices_needed = -(-total_len // (4 * MiB))
+    assert max(MAX_CHUNK_RANGES, 2 * slices_needed) >= slices_needed + 1
 
 
 def test_rule_at_most_64_partial_messages() -> None:

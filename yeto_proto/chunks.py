@@ -20,6 +20,7 @@ from .constants import (
     CHUNK_SLICE_SIZE,
     FRAME_MAGIC,
     HEADER_SIZE,
+    MAX_CHUNK_RANGES,
     MAX_PARTIAL_MESSAGES,
     STRIPED_TYPES,
     FrameType,
@@ -98,16 +99,43 @@ class _Partial:
         # Uninitialized: a message completes only once every byte has been written.
         self.buffer = buffers.take(total_len)
         self.address = _address(self.buffer)
-        self.spans: list[tuple[int, int]] = []  # sorted, disjoint [start, end)
+        self.spans: list[tuple[int, int]] = []  # sorted, disjoint, not touching [start, end)
         self.filled = 0
         #: Offsets handed out by chunk_target whose CHUNK has not come back through add().
         self.placed: set[int] = set()
 
-    def overlaps(self, start: int, end: int) -> bool:
-        i = bisect.bisect_left(self.spans, (start, end))
-        if i > 0 and self.spans[i - 1][1] > start:
-            return True
-        return i < len(self.spans) and self.spans[i][0] < end
+    def max_ranges(self) -> int:
+        """Separate received ranges a message may have at once (spec/striping.md § 4, rule 9).
+
+        Twice what a sender slicing as pinned (4 MiB) can ever leave, in any arrival order.
+        """
+        return max(MAX_CHUNK_RANGES, 2 * -(-self.total_len // CHUNK_SLICE_SIZE))
+
+    def reserve(self, msg_id: int, start: int, end: int) -> None:
+        """Record ``[start, end)`` as received: refused if it overlaps, or splits the message
+        into too many ranges. Touching ranges are kept as one, so the bookkeeping of a
+        message stays small however finely it is sliced, as long as it arrives in order."""
+        spans = self.spans
+        i = bisect.bisect_left(spans, (start, end))
+        if (i > 0 and spans[i - 1][1] > start) or (i < len(spans) and spans[i][0] < end):
+            raise RemoteProtocolError(
+                ErrorCode.CHUNK_OVERLAP, f"message {msg_id}: bytes {start}..{end}"
+            )
+        joins_left = i > 0 and spans[i - 1][1] == start
+        joins_right = i < len(spans) and spans[i][0] == end
+        if joins_left and joins_right:
+            spans[i - 1] = (spans[i - 1][0], spans.pop(i)[1])
+        elif joins_left:
+            spans[i - 1] = (spans[i - 1][0], end)
+        elif joins_right:
+            spans[i] = (start, spans[i][1])
+        elif len(spans) >= self.max_ranges():
+            raise RemoteProtocolError(
+                ErrorCode.CHUNK_TOO_FRAGMENTED,
+                f"message {msg_id}: more than {self.max_ranges()} separate byte ranges",
+            )
+        else:
+            spans.insert(i, (start, end))
 
 
 class Reassembler:
@@ -167,7 +195,6 @@ class Reassembler:
         else:
             partial = self._admit(chunk.msg_id, chunk.total_len, chunk.offset, size)
             partial.buffer[chunk.offset : end] = chunk.data
-            bisect.insort(partial.spans, (chunk.offset, end))
         partial.filled += size
         if partial.filled < partial.total_len:
             return None
@@ -183,12 +210,12 @@ class Reassembler:
         this one's data arrived. Hand the decoded CHUNK to :meth:`add` as usual afterwards.
         """
         partial = self._admit(msg_id, total_len, offset, size)
-        bisect.insort(partial.spans, (offset, offset + size))
         partial.placed.add(offset)
         return partial.buffer[offset : offset + size]
 
     def _admit(self, msg_id: int, total_len: int, offset: int, size: int) -> _Partial:
-        """The partial message a new CHUNK goes into, after every rule of spec/striping.md."""
+        """The partial message a new CHUNK goes into, after every rule of spec/striping.md;
+        its range then counts as received."""
         if size == 0:
             raise RemoteProtocolError(ErrorCode.CHUNK_EMPTY, f"message {msg_id}")
         if offset + size > total_len:
@@ -232,11 +259,7 @@ class Reassembler:
                 ErrorCode.CHUNK_TOTAL_CHANGED,
                 f"message {msg_id}: total {total_len} != {partial.total_len}",
             )
-        end = offset + size
-        if partial.overlaps(offset, end):
-            raise RemoteProtocolError(
-                ErrorCode.CHUNK_OVERLAP, f"message {msg_id}: bytes {offset}..{end}"
-            )
+        partial.reserve(msg_id, offset, offset + size)
         return partial
 
 

@@ -19,6 +19,9 @@ ERROR_TEXT_LIMIT = 65536
 #: would happily promise absurd sizes; claims above this (256 TiB) fail before any allocation.
 ALLOCATION_CEILING = 1 << 48
 MAX_PARTIAL_MESSAGES = 64
+#: Separate received byte ranges one partial message may have at once (at least; see
+#: spec/striping.md § 4 rule 9): bounds a receiver's bookkeeping against tiny-CHUNK slicing.
+MAX_CHUNK_RANGES = 4096
 MAX_STREAMS = 256
 FINALIZATION_REVISION = 1
 

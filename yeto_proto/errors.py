@@ -91,6 +91,7 @@ class ErrorCode(enum.Enum):
     CHUNK_TOTAL_CHANGED = "CHUNK_TOTAL_CHANGED"
     CHUNK_TOTAL_TOO_LARGE = "CHUNK_TOTAL_TOO_LARGE"
     CHUNK_OVERLAP = "CHUNK_OVERLAP"
+    CHUNK_TOO_FRAGMENTED = "CHUNK_TOO_FRAGMENTED"
     TOO_MANY_PARTIALS = "TOO_MANY_PARTIALS"
     BAD_INNER_FRAME = "BAD_INNER_FRAME"
     # -- rejected pushes (the connection stays up) --------------------------------------------
