@@ -413,6 +413,11 @@ S_THREE = Session(
     ),
 )
 SESSIONS = (S_F32, S_BF16, S_Q4, S_THREE)
+#: Large enough for a PUSH split into more separate ranges than a receiver keeps (4,096);
+#: used by the chunk_sequences file only.
+S_WIDE = Session("f32-wide", F32, layout((AVG, [("wide.weight", (2048,))])))
+#: spec/striping.md § 4 rule 9: separate ranges a partial may hold at least.
+MAX_CHUNK_RANGES = 4096
 HELLO_KEY = b"conformance hello key, 32 bytes!"
 OTHER_KEY = b"another key"
 
@@ -2691,6 +2696,19 @@ def chunk_sequences_file() -> Json:
             code="BAD_TENSOR_LENGTH",
         ),
     ]
+    wide_inner, _ = push_fragment(S_WIDE.push_delta(0, "seq/wide"))
+    one_byte_ranges = [  # every other byte: each CHUNK opens a new separate range
+        chunk(0, len(wide_inner), offset, wide_inner[offset : offset + 1])[0].hex()
+        for offset in range(0, 2 * MAX_CHUNK_RANGES + 1, 2)
+    ]
+    fragmented = [
+        sequence(
+            "4,097 one-byte CHUNKs with a gap after each: one separate range too many",
+            one_byte_ranges,
+            "Limit",
+            code="CHUNK_TOO_FRAGMENTED",
+        ),
+    ]
     return vector_file(
         "chunk_sequences",
         [
@@ -2708,6 +2726,11 @@ def chunk_sequences_file() -> Json:
                 "type": "ChunkSequenceTest",
                 "context": S_BF16.context("learner"),
                 "tests": learner_tests,
+            },
+            {
+                "type": "ChunkSequenceTest",
+                "context": S_WIDE.context("syncer", num_learners=4),
+                "tests": fragmented,
             },
         ],
     )
