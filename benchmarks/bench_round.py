@@ -240,12 +240,12 @@ class BenchLearner:
         self.report = LearnerReport(plan.learner_id)
         rng = np.random.default_rng(plan.learner_id + 1)
         self.deltas = [rng.normal(0.0, 1e-3, n).astype(np.float32) for n in plan.numels]
-        self.encoded = [
-            np.empty(tensor_nbytes(self.dtype, n, push=True), np.uint8)
-            if self.dtype is not WireDtype.F32
-            else np.empty(0, np.uint8)
-            for n in plan.numels
-        ]
+        #: Encode buffers per fragment; f32 has none (its wire bytes are the delta's own).
+        self.encoded = (
+            []
+            if self.dtype is WireDtype.F32
+            else [np.empty(tensor_nbytes(self.dtype, n, push=True), np.uint8) for n in plan.numels]
+        )
         self.sockets: list[socket.socket] = []
         self.decoders: dict[socket.socket, FrameDecoder] = {}
         self.reassembler = Reassembler(Role.LEARNER, self.limits)

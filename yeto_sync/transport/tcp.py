@@ -174,8 +174,7 @@ class TcpTransport:
         self.stall_timeout = stall_timeout
         self.linger = linger
         self._peers: dict[ConnId, _Peer] = {}
-        self._recv_buffer = bytearray(RECV_BUFFER_SIZE)
-        self._recv_view = memoryview(self._recv_buffer)
+        self._recv_view = memoryview(bytearray(RECV_BUFFER_SIZE))
         self._next_conn = 1
         self._arrived = anyio.Event()
         #: When the waiting :meth:`next_event` wakes up by itself (−inf: nobody waits).
