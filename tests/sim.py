@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -147,7 +147,11 @@ class Sim:
         contract: bytes = CONTRACT,
         profile_hash: bytes | None = None,
         work_clock: Callable[[], float] | None = None,
+        stream_broadcasts: bool = False,
     ) -> None:
+        """``stream_broadcasts``: take the coordinator's early sends (as the daemon's driver
+        does) and deliver them ahead of the actions ``handle`` returns, each once its payload
+        is complete; :attr:`early` records them with the payload's progress at hand-out."""
         self.config = config
         self.layout = layout
         self.dtype = dtype
@@ -167,10 +171,29 @@ class Sim:
         self._timers: dict[str, float] = {}
         self._order = itertools.count()
         self._conns = itertools.count(1)
+        #: Early sends: each with the bytes of its payload final when it was handed out.
+        self.early: list[tuple[Send, int]] = []
+        self._handed_out: list[Send] = []
+        if stream_broadcasts:
+            self.coordinator.early_sends = self._take_early
+
+    def _take_early(self, sends: Sequence[Send]) -> None:
+        for send in sends:
+            assert send.progress is not None
+            self.early.append((send, send.progress.ready))
+            self._handed_out.append(send)
 
     # -- feeding ---------------------------------------------------------------------------
     def feed(self, event: Event) -> list[Action]:
-        actions = self.coordinator.handle(event, self.now)
+        self._handed_out = []
+        returned = self.coordinator.handle(event, self.now)
+        # Like the transport: an early send completes only once its payload is final.
+        actions: list[Action] = [
+            send
+            for send in self._handed_out
+            if send.progress is not None and send.progress.complete
+        ]
+        actions += returned
         self.actions.extend(actions)
         for action in actions:
             match action:

@@ -40,6 +40,7 @@ from yeto_sync.events import (
     WriteFinalMarker,
     WriteFinalState,
 )
+from yeto_sync.payload_progress import PayloadProgress
 from yeto_sync.transport.memory import FakeClock
 
 KEY = GroupKey(0, 1)
@@ -89,7 +90,9 @@ class RecordingTransport:
     def refuse(self, conn: ConnId, error: ErrorMessage) -> None:
         self.calls.append(("refuse", conn))
 
-    async def send(self, group: GroupKey, message: AnyMessage) -> None:
+    async def send(
+        self, group: GroupKey, message: AnyMessage, progress: PayloadProgress | None = None
+    ) -> None:
         self.calls.append(("send", self.on_send(message)))
 
     def close_group(self, group: GroupKey, error: ErrorMessage | None) -> None:

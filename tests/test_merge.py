@@ -914,3 +914,73 @@ def test_wire_form_pushes_merge_to_the_bits_of_decoded_ones(
     assert_bits(got.params, want.params)
     assert_bits(got.momentum, want.momentum)
     assert got.gnorm == want.gnorm
+
+
+# -- progress of the outer step (a broadcast streams behind it) ---------------------------------
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_step_reports_its_finished_prefix_growing_to_the_whole_fragment(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import yeto_sync.merge as merge_module
+
+    monkeypatch.setattr(merge_module, "_STEP_THREADS", threads)
+    n = merge_module._THREADED_MIN + 4_321
+    geometry = fragment(MergeMode.AVG, (1, n))
+    grads = random_grads(51, 2, n, scale=1e-3)
+    rs = [response(0, grads[0]), response(1, grads[1])]
+    params, momentum = random_grads(52, 2, n)
+    into = np.full(n, np.nan, np.float32)
+    bits = np.zeros(n, np.uint16)
+    seen: list[int] = []
+
+    def on_progress(count: int) -> None:
+        # Whatever is reported final already holds its final values.
+        seen.append(count)
+        assert not np.isnan(into[:count]).any()
+        assert np.array_equal(bits[:count], f32_to_bf16(into[:count]))
+
+    result = merge_round(
+        geometry,
+        rs,
+        params,
+        momentum,
+        {},
+        NO_CORRECTION,
+        params_bf16=bits,
+        new_params=into,
+        on_progress=on_progress,
+    )
+    assert result.params is into
+    assert seen == sorted(set(seen)) and seen[-1] == n and seen[0] > 0
+    expected = merge_round(geometry, rs, params, momentum, {}, NO_CORRECTION)
+    assert_bits(result.params, expected.params)
+    assert_bits(result.momentum, expected.momentum)
+    assert result.gnorm == expected.gnorm
+    with pytest.raises(ValueError, match="new_params"):
+        merge_round(geometry, rs, params, momentum, {}, NO_CORRECTION, new_params=into[1:])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_failing_step_reports_the_first_failing_block_and_no_prefix_past_it(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import yeto_sync.merge as merge_module
+
+    monkeypatch.setattr(merge_module, "_STEP_THREADS", threads)
+    block = merge_module._BLOCK
+    n = merge_module._THREADED_MIN + 99
+    geometry = fragment(MergeMode.AVG, (1, n))
+    grad = np.zeros(n, np.float32)
+    params, momentum = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    # Block 3 overflows the outer step (finite Δ); every later block has a non-finite Δ —
+    # a different message, so the error tells which block a merge stopped at.
+    params[3 * block] = np.float32(-3e38)
+    momentum[3 * block] = np.float32(3e38)
+    grad[3 * block] = np.float32(3e38)
+    grad[4 * block :] = np.inf
+    rs = [response(0, grad)]
+    seen: list[int] = []
+    for _ in range(3):  # whichever thread meets which block first
+        with pytest.raises(MergeError, match="non-finite parameters or momentum"):
+            merge_round(geometry, rs, params, momentum, {}, NO_CORRECTION, on_progress=seen.append)
+    assert all(count <= 3 * block for count in seen)

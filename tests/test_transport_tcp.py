@@ -46,7 +46,7 @@ from yeto_sync.events import (
 )
 from yeto_sync.transport import MonotonicClock
 from yeto_sync.transport.group import ConnectionGroups
-from yeto_sync.transport.tcp import SendQueue, TcpTransport
+from yeto_sync.transport.tcp import Outgoing, SendQueue, TcpTransport
 
 BIG = 1_500_000  # 6 MB of f32: two CHUNKs per BCAST
 LAYOUT = WireLayout((WireFragment(MergeMode.AVG, (BIG,)), WireFragment(MergeMode.AVG, (64,))))
@@ -310,19 +310,19 @@ def test_exit_flushes_queued_frames_before_closing() -> None:
 def test_send_queue_bounds_bytes_and_pushes_back() -> None:
     async def scenario() -> None:
         queue = SendQueue(max_bytes=100)
-        assert await queue.put([b"x" * 80], 80)
-        assert await queue.put([b"y" * 20], 20)
+        assert await queue.put(Outgoing([b"x" * 80]), 80)
+        assert await queue.put(Outgoing([b"y" * 20]), 20)
         order: list[str] = []
 
         async def producer() -> None:
-            await queue.put([b"z" * 50], 50)  # waits: 100 + 50 > 100
+            await queue.put(Outgoing([b"z" * 50]), 50)  # waits: 100 + 50 > 100
             order.append("put")
 
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(producer)
             await anyio.sleep(0.05)
             assert order == [] and queue.queued_bytes == 100
-            assert await queue.get() == [b"x" * 80]
+            assert await queue.get() == Outgoing([b"x" * 80])
             await anyio.sleep(0.05)
             assert order == ["put"] and queue.queued_bytes == 70
 
@@ -332,11 +332,11 @@ def test_send_queue_bounds_bytes_and_pushes_back() -> None:
 def test_send_queue_admits_an_oversized_frame_when_empty_and_closes_cleanly() -> None:
     async def scenario() -> None:
         queue = SendQueue(max_bytes=10)
-        assert await queue.put([b"big" * 100], 300)
+        assert await queue.put(Outgoing([b"big" * 100]), 300)
         queue.close(last=[b"error"], discard=True)
-        assert await queue.get() == [b"error"]
+        assert await queue.get() == Outgoing([b"error"])
         assert await queue.get() is None
-        assert not await queue.put([b"late"], 4)
+        assert not await queue.put(Outgoing([b"late"]), 4)
 
     run(scenario)
 
@@ -344,10 +344,14 @@ def test_send_queue_admits_an_oversized_frame_when_empty_and_closes_cleanly() ->
 def test_send_queue_close_without_discard_keeps_what_is_queued() -> None:
     async def scenario() -> None:
         queue = SendQueue(max_bytes=1000)
-        await queue.put([b"a"], 1)
-        await queue.put([b"b"], 1)
+        await queue.put(Outgoing([b"a"]), 1)
+        await queue.put(Outgoing([b"b"]), 1)
         queue.close(discard=False)
-        assert [await queue.get(), await queue.get(), await queue.get()] == [[b"a"], [b"b"], None]
+        assert [await queue.get(), await queue.get(), await queue.get()] == [
+            Outgoing([b"a"]),
+            Outgoing([b"b"]),
+            None,
+        ]
 
     run(scenario)
 
@@ -365,7 +369,7 @@ def test_send_queue_get_waits_for_a_frame(size: int) -> None:
             tasks.start_soon(consumer)
             await anyio.sleep(0.02)
             assert got == []
-            await queue.put([bytes(size)], size)
-        assert got == [[bytes(size)]]
+            await queue.put(Outgoing([bytes(size)]), size)
+        assert got == [Outgoing([bytes(size)])]
 
     run(scenario)

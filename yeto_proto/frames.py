@@ -168,8 +168,18 @@ class OutgoingBuffers:
     def done(self) -> bool:
         return self._start == len(self._views)
 
-    def batch(self) -> list[memoryview]:
-        return self._views[self._start : self._start + self._iov_max]
+    def batch(self, max_bytes: int | None = None) -> list[memoryview]:
+        """The next views to send, at most ``max_bytes`` in all when given (then at least 1)."""
+        views = self._views[self._start : self._start + self._iov_max]
+        if max_bytes is None:
+            return views
+        trimmed, room = [], max_bytes
+        for view in views:
+            if room <= 0:
+                break
+            trimmed.append(view[:room] if len(view) > room else view)
+            room -= len(view)
+        return trimmed
 
     def advance(self, sent: int) -> None:
         while sent:

@@ -354,7 +354,15 @@ async def _serve(
     )
     async with TcpTransport.serve(groups, clock, config.host, config.port, log=log) as transport:
         host, port = transport.address
-        driver = Driver(coordinator, transport, clock, outputs=outputs, log=log, iso_pool=iso_pool)
+        driver = Driver(
+            coordinator,
+            transport,
+            clock,
+            outputs=outputs,
+            log=log,
+            iso_pool=iso_pool,
+            stream_broadcasts=True,
+        )
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(_stop_on_signal, driver)
             log(

@@ -21,9 +21,10 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, Protocol, TextIO, runtime_checkable
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 import numpy as np
 
@@ -58,6 +59,15 @@ _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
 
 class CoordinatorLike(Protocol):
+    def handle(self, event: Event, now: float) -> Sequence[Action]: ...
+
+
+@runtime_checkable
+class StreamingCoordinator(Protocol):
+    """A coordinator that can hand out Sends from inside ``handle`` (see ``Driver``)."""
+
+    early_sends: Callable[[Sequence[Send]], None] | None
+
     def handle(self, event: Event, now: float) -> Sequence[Action]: ...
 
 
@@ -147,8 +157,27 @@ class Driver:
         log: Callable[[str, str, Mapping[str, object]], None] | None = None,
         shutdown_grace: float = SHUTDOWN_GRACE_S,
         iso_pool: IsoPoolGate | None = None,
+        stream_broadcasts: bool = False,
     ) -> None:
+        """``stream_broadcasts``: run the coordinator in a worker thread, one event at a
+        time as always, and let its commits start their BCASTs while the merge still runs
+        (:attr:`~yeto_sync.coordinator.Coordinator.early_sends`); the event loop keeps
+        reading and writing sockets meanwhile. Needs a transport that sends a payload's
+        final bytes as they come (the TCP transport); the in-memory one delivers whole
+        messages.
+        """
         self.coordinator = coordinator
+        self._offload = stream_broadcasts
+        if stream_broadcasts:
+            if not isinstance(coordinator, StreamingCoordinator):
+                raise TypeError("streaming broadcasts needs a coordinator with early_sends")
+            if not getattr(transport, "streams_partial_payloads", False):
+                # A transport that waits for a whole payload inside send() would wait for
+                # the very handle() call that is waiting for it.
+                raise TypeError(
+                    "streaming broadcasts needs a transport that sends partial payloads"
+                )
+            coordinator.early_sends = self._send_from_handler
         #: Drained before every checkpoint write; once poisoned, no checkpoint is published.
         self.iso_pool = iso_pool
         self.transport = transport
@@ -170,7 +199,12 @@ class Driver:
         """Feed one event to the coordinator and carry out its actions, in order."""
         if self.exit is not None:
             return
-        actions = self.coordinator.handle(event, self.clock.now())
+        now = self.clock.now()
+        if self._offload:
+            # Not abandoned on cancellation: a stop waits for the event to be fully handled.
+            actions = await anyio.to_thread.run_sync(self.coordinator.handle, event, now)
+        else:
+            actions = self.coordinator.handle(event, now)
         for index, action in enumerate(actions):
             if self.exit is not None:
                 self._log(
@@ -181,10 +215,18 @@ class Driver:
                 return
             await self._execute(action)
 
+    def _send_from_handler(self, sends: Sequence[Send]) -> None:
+        """The coordinator's early sends: queued on the event loop before ``handle`` goes on."""
+        anyio.from_thread.run(self._send_all, sends)
+
+    async def _send_all(self, sends: Sequence[Send]) -> None:
+        for send in sends:
+            await self._execute(send)
+
     async def _execute(self, action: Action) -> None:
         match action:
-            case Send(group=group, message=message):
-                await self.transport.send(group, message)
+            case Send(group=group, message=message, progress=progress):
+                await self.transport.send(group, message, progress)
             case AdmitGroup(conn=conn, group=group, num_streams=num_streams, limits=limits):
                 self.transport.admit(conn, group, num_streams, limits)
             case RefuseConnection(conn=conn, error=error):

@@ -19,6 +19,8 @@ from typing import Any, TypeAlias
 
 from yeto_proto import AnyMessage, ErrorMessage, Hello, Limits
 
+from .payload_progress import PayloadProgress
+
 ConnId: TypeAlias = int
 
 
@@ -91,10 +93,16 @@ class RefuseConnection:
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """Queue ``message`` to a group (striped over its data streams when it is a bulk frame)."""
+    """Queue ``message`` to a group (striped over its data streams when it is a bulk frame).
+
+    ``progress``, when given, says how much of the message's payload (the tail of its frame)
+    is final yet: the transport sends no byte beyond it, waits for more, and cuts the
+    connection if the payload is withdrawn (a streamed BCAST whose merge failed).
+    """
 
     group: GroupKey
     message: AnyMessage
+    progress: PayloadProgress | None = None
 
 
 @dataclass(frozen=True, slots=True)

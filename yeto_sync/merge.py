@@ -26,6 +26,7 @@ check passed (all or nothing).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -645,29 +646,47 @@ def _finite_sum(block: F32Array) -> bool:
     return math.isfinite(float(np.add.reduce(block)))
 
 
-def _outer_step(step: _StepPass) -> float:
+def _outer_step(step: _StepPass, on_progress: Progress | None = None) -> float:
     """The f32 Nesterov step in one blocked pass, Δ either given or summed block by block.
 
     Exactly one of ``step.delta`` (the merged Δ) and a plain sum (its terms: each block of Δ
     is formed in a cache-sized scratch buffer and never stored) is given. Every array is read
-    or written once, each block while it is in cache, and the blocks are split into contiguous
-    runs over a few threads (numpy releases the GIL); the per-block partial sums of ‖Δ‖² are
-    added in block order afterwards, so the bits do not depend on the thread count. Returns ‖Δ‖
-    in f64; raises :class:`MergeError` on a non-finite Δ or result (inputs are untouched).
+    or written once, each block while it is in cache; a few threads (numpy releases the GIL)
+    claim blocks in ascending order, so the finished part of the outputs grows from the front
+    and ``on_progress(n)`` can report "the first n values are final" as it grows (a broadcast
+    may stream behind it). The per-block partial sums of ‖Δ‖² are added in block order
+    afterwards, so the bits do not depend on the thread count. Returns ‖Δ‖ in f64; raises
+    :class:`MergeError` on a non-finite Δ or result (inputs are untouched).
     """
     numel = step.params.size
-    starts = range(0, numel, _BLOCK)
-    runs = _split_runs(len(starts), _STEP_THREADS if numel >= _THREADED_MIN else 1)
-    if len(runs) == 1:
-        squares = step.run(starts)
+    blocks = -(-numel // _BLOCK)
+    squares = [0.0] * blocks
+    front = _FinishedFront(blocks, numel, on_progress)
+    threads = min(_STEP_THREADS if numel >= _THREADED_MIN else 1, blocks)
+    if threads <= 1:
+        for index in range(blocks):
+            squares[index] = step.block(index)
+            front.finished(index)
     else:
-        futures = [_step_executor().submit(step.run, starts[run]) for run in runs]
-        # Wait for every run before raising, so no thread still writes the outputs after.
-        outcomes = [(future.exception(), future) for future in futures]
-        for error, _ in outcomes:
-            if error is not None:
-                raise error
-        squares = [value for _, future in outcomes for value in future.result()]
+        claims = itertools.count()  # next() is atomic under the GIL: each block runs once
+        failures: list[tuple[int, BaseException]] = []
+
+        def work() -> None:
+            while not failures and (index := next(claims)) < blocks:
+                try:
+                    squares[index] = step.block(index)
+                except BaseException as exc:  # noqa: BLE001 - re-raised below, in block order
+                    failures.append((index, exc))
+                    return
+                front.finished(index)
+
+        futures = [_step_executor().submit(work) for _ in range(threads)]
+        for future in futures:  # every thread done before raising: none writes after
+            future.result()
+        if failures:
+            # Every block below a failed one was claimed and ran to its end, so the lowest
+            # failure is the one a single thread would have met first: the error is the same.
+            raise min(failures, key=lambda failure: failure[0])[1]
     if numel <= _SMALL:  # small fragments: the norm exactly as gnorm() takes it (one einsum)
         summed = step.delta
         if summed is None:
@@ -677,15 +696,37 @@ def _outer_step(step: _StepPass) -> float:
     return math.sqrt(_sequential_sum(squares))
 
 
-def _split_runs(blocks: int, threads: int) -> list[slice]:
-    """``blocks`` block indexes as at most ``threads`` contiguous runs of near-equal length."""
-    threads = max(1, min(threads, blocks))
-    bounds = [blocks * i // threads for i in range(threads + 1)]
-    return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+#: Told "the first n values of the outputs are final", n only growing.
+Progress = Callable[[int], None]
+
+
+class _FinishedFront:
+    """Tracks finished blocks and reports the length of the finished prefix as it grows."""
+
+    def __init__(self, blocks: int, numel: int, on_progress: Progress | None) -> None:
+        self._done = [False] * blocks
+        self._front = 0
+        self._numel = numel
+        self._on_progress = on_progress
+        self._lock = threading.Lock()
+
+    def finished(self, index: int) -> None:
+        if self._on_progress is None:
+            return
+        with self._lock:
+            self._done[index] = True
+            front = self._front
+            while front < len(self._done) and self._done[front]:
+                front += 1
+            if front == self._front:
+                return
+            self._front = front
+            # Reported under the lock, so the listener sees the values in increasing order.
+            self._on_progress(min(front * _BLOCK, self._numel))
 
 
 class _StepPass:
-    """One outer step's arrays and constants; :meth:`run` does a run of blocks."""
+    """One outer step's arrays and constants; :meth:`block` steps one block."""
 
     def __init__(
         self,
@@ -712,42 +753,38 @@ class _StepPass:
         self.lr32, self.mu32 = np.float32(lr), np.float32(mu)
         self.new_params, self.new_momentum = new_params, new_momentum
 
-    def run(self, starts: range) -> list[float]:
-        """Step the blocks beginning at ``starts``; their ‖Δ‖² partial sums, in order."""
-        numel = self.params.size
-        scratch, wide = _BUFFERS.narrow, _BUFFERS.wide[0]
-        summed = _BUFFERS.summed
-        squares: list[float] = []
+    def block(self, index: int) -> float:
+        """Step block ``index``; its ‖Δ‖² partial sum."""
+        start = index * _BLOCK
+        stop = min(start + _BLOCK, self.params.size)
+        size = stop - start
+        buffers = _BUFFERS
         with np.errstate(over="ignore", invalid="ignore"):
-            for start in starts:
-                stop = min(start + _BLOCK, numel)
-                size = stop - start
-                if self.delta is not None:
-                    d = self.delta[start:stop]
-                else:
-                    d = summed[:size]
-                    _accumulate_block(d, self.terms, self.factors, start, stop, scratch[:size])
-                buf = self.new_momentum[start:stop]
-                np.multiply(self.momentum[start:stop], self.mu32, out=buf)
-                np.add(buf, d, out=buf)
-                theta = self.new_params[start:stop]
-                np.multiply(buf, self.mu32, out=theta)
-                np.add(theta, d, out=theta)
-                np.multiply(theta, self.lr32, out=theta)
-                np.subtract(self.params[start:stop], theta, out=theta)
-                # θ' = θ − lr·(μ·buf' + Δ) is non-finite whenever buf' or Δ is (0·inf is NaN
-                # too), so one sum covers all three arrays; the exact checks say which failed.
-                if not _finite_sum(theta):
-                    if not _all_finite(d):
-                        raise MergeError("merged outer gradient is not finite; commit refused")
-                    if not (_all_finite(buf) and _all_finite(theta)):
-                        raise MergeError(
-                            "outer step produced non-finite parameters or momentum; commit refused"
-                        )
-                if self.params_bf16 is not None:  # while the block is in cache
-                    f32_to_bf16(theta, out=self.params_bf16[start:stop])
-                squares.append(_block_squares(d, wide[:size]))
-        return squares
+            if self.delta is not None:
+                d = self.delta[start:stop]
+            else:
+                d = buffers.summed[:size]
+                _accumulate_block(d, self.terms, self.factors, start, stop, buffers.narrow[:size])
+            buf = self.new_momentum[start:stop]
+            np.multiply(self.momentum[start:stop], self.mu32, out=buf)
+            np.add(buf, d, out=buf)
+            theta = self.new_params[start:stop]
+            np.multiply(buf, self.mu32, out=theta)
+            np.add(theta, d, out=theta)
+            np.multiply(theta, self.lr32, out=theta)
+            np.subtract(self.params[start:stop], theta, out=theta)
+            # θ' = θ − lr·(μ·buf' + Δ) is non-finite whenever buf' or Δ is (0·inf is NaN
+            # too), so one sum covers all three arrays; the exact checks say which failed.
+            if not _finite_sum(theta):
+                if not _all_finite(d):
+                    raise MergeError("merged outer gradient is not finite; commit refused")
+                if not (_all_finite(buf) and _all_finite(theta)):
+                    raise MergeError(
+                        "outer step produced non-finite parameters or momentum; commit refused"
+                    )
+            if self.params_bf16 is not None:  # while the block is in cache
+                f32_to_bf16(theta, out=self.params_bf16[start:stop])
+            return _block_squares(d, buffers.wide[0][:size])
 
 
 _executor: ThreadPoolExecutor | None = None
@@ -802,14 +839,20 @@ def merge_round(
     iso_solver: IsoSolver = SCALAR_ISO_SOLVER,
     allocate: Allocate | None = None,
     params_bf16: NDArray[np.uint16] | None = None,
+    *,
+    new_params: F32Array | None = None,
+    on_progress: Progress | None = None,
 ) -> RoundMerge:
     """Merge, outer step and ledger of one round, all or nothing (:class:`MergeError`).
 
     The new Δ, params and momentum come from ``allocate`` (a pool that recycles a fragment's
-    previous arrays avoids page-faulting fresh memory every round); ``params`` and
+    previous arrays avoids page-faulting fresh memory every round), the new params from
+    ``new_params`` instead when given (a broadcast may already refer to it); ``params`` and
     ``momentum`` are only read. ``params_bf16``, when given, receives the new params' bf16 bit
     patterns (a bf16 broadcast's payload), written by the same pass while each block is in
-    cache; after a :class:`MergeError` its contents mean nothing.
+    cache. ``on_progress(n)``: the first n values of the new params (and of ``params_bf16``)
+    are final, reported as that prefix grows during the outer step. After a
+    :class:`MergeError` the outputs' contents mean nothing.
     """
     ordered = merge_order(responses)
     _check_round_inputs(geometry, ordered, momentum)
@@ -818,7 +861,11 @@ def merge_round(
     alloc = allocate or _fresh
     numel = geometry.numel
     merged = _merge(geometry, ordered, momentum, config, iso_solver, alloc)
-    new_params, new_momentum = alloc(numel), alloc(numel)
+    if new_params is None:
+        new_params = alloc(numel)
+    elif new_params.shape != (numel,) or new_params.dtype != np.float32:
+        raise ValueError(f"new_params must be float32 of shape ({numel},)")
+    new_momentum = alloc(numel)
     delta, plain_sum = (merged, None) if isinstance(merged, np.ndarray) else (None, merged)
     norm = _outer_step(
         _StepPass(
@@ -831,7 +878,8 @@ def merge_round(
             new_params,
             new_momentum,
             params_bf16,
-        )
+        ),
+        on_progress,
     )
     weights = learner_weights(ordered, config.learner_weight)
     return RoundMerge(

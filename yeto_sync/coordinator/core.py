@@ -15,11 +15,15 @@ generations), :mod:`.schedule` (fragment targets, pipeline, pacing, grace), :mod
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+from numpy.typing import NDArray
+
 from yeto_proto.checkpoint import Checkpoint, resume_decision
-from yeto_proto.constants import IsoBackend
+from yeto_proto.constants import IsoBackend, WireDtype
 from yeto_proto.errors import ErrorCode, ProtocolError
 from yeto_proto.limits import Limits
 from yeto_proto.messages import (
@@ -59,7 +63,16 @@ from ..events import (
     WriteFinalMarker,
     WriteFinalState,
 )
-from ..merge import SCALAR_ISO_SOLVER, IsoSolver, MergeConfig, MergeError, Response, merge_round
+from ..merge import (
+    SCALAR_ISO_SOLVER,
+    F32Array,
+    IsoSolver,
+    MergeConfig,
+    MergeError,
+    Response,
+    merge_round,
+)
+from ..payload_progress import PayloadProgress
 from . import tape
 from .admission import Admission, Refusal, SessionIdentity
 from .cutoff import CUTOFF_TIMER, BudgetCutoff, cancel_record, cutoff_record, report_record
@@ -95,8 +108,26 @@ def _round_timer(kind: str, step: int, attempt: int | None = None) -> str:
     return f"{kind}:{step}" if attempt is None else f"{kind}:{step}:{attempt}"
 
 
+#: Carries out Sends at once, from inside :meth:`Coordinator.handle` (see ``early_sends``).
+EarlySender = Callable[[Sequence[Send]], None]
+#: Actions that may run after a Send that the coordinator appends later, without changing
+#: anything a peer or the disk sees: an early BCAST may overtake them.
+_OVERTAKABLE = (Log, AppendTape, SetTimer, CancelTimer)
+
+
 def _member_fields(key: GroupKey) -> dict[str, int]:
     return {"learner_id": key.learner_id, "generation": key.generation}
+
+
+@dataclass(frozen=True, slots=True)
+class _StreamedBroadcast:
+    """A BCAST handed out before its merge: the merge fills it and reports its progress."""
+
+    message: BcastFragment
+    progress: PayloadProgress
+    #: The array the merge must write the new params into (f32 sessions), else None.
+    new_params: F32Array | None
+    elements_done: Callable[[int], None]
 
 
 class Coordinator:
@@ -158,6 +189,11 @@ class Coordinator:
             else BudgetCutoff(budget_steps=config.learner_budget_steps, learners=config.learners)
         )
         self._exit: Exit | None = None
+        #: Set by a driver that runs :meth:`handle` off its event loop: a commit then hands
+        #: it the round's BCASTs before the merge, gated by the merge's progress, so the
+        #: broadcast streams out while the outer step still runs. ``None``: every action is
+        #: returned by :meth:`handle`, as in simulations.
+        self.early_sends: EarlySender | None = None
 
     # -- read-only views (tests, transport, CLI) -------------------------------------------
     @property
@@ -784,6 +820,7 @@ class Coordinator:
         params, momentum = slot.arrays()
         merge_started = self._work_clock() if self._work_clock is not None else 0.0
         bcast_bf16 = bcast_bf16_target(session.dtype, slot.geometry.numel, model.arrays.take_bytes)
+        streamed = self._stream_broadcast(done, bcast_bf16, out)
         try:
             merged = merge_round(
                 slot.geometry,
@@ -795,8 +832,14 @@ class Coordinator:
                 self._solver,
                 model.arrays.take,
                 bcast_bf16,
+                new_params=None if streamed is None else streamed.new_params,
+                on_progress=None if streamed is None else streamed.elements_done,
             )
-        except MergeError as exc:
+        except BaseException as exc:
+            if streamed is not None:
+                streamed.progress.withdraw()
+            if not isinstance(exc, MergeError):
+                raise
             reason = f"round {done.step} (fragment {done.fragment}) failed to commit: {exc}"
             out.append(AppendTape(tape.failure_record(done, str(exc))))
             self._fail(reason, out)
@@ -809,7 +852,10 @@ class Coordinator:
         model.commit(done.step, done.fragment, merged)
         self._last_sync_s = sync_s
         self._bcasts.pop(done.fragment, None)
-        if bcast_bf16 is not None:  # encoded by the merge pass itself
+        if streamed is not None:
+            streamed.progress.finish()  # its last byte was held back until now
+            self._bcasts[done.fragment] = streamed.message
+        elif bcast_bf16 is not None:  # encoded by the merge pass itself
             self._bcasts[done.fragment] = bcast_of_bf16(done.fragment, done.step, bcast_bf16)
         if self.config.checkpoint_enabled and done.step % self.config.checkpoint_every == 0:
             # Durable before the broadcast below leaves (the transport runs actions in order).
@@ -833,6 +879,61 @@ class Coordinator:
             )
         )
         return True
+
+    def _stream_broadcast(
+        self, done: Round, bcast_bf16: NDArray[np.uint16] | None, out: list[Action]
+    ) -> _StreamedBroadcast | None:
+        """Hand round ``done``'s BCASTs to ``early_sends`` before its merge runs, if allowed.
+
+        Not when nothing would stream it, when this commit writes a checkpoint (durable before
+        its broadcast leaves) or when an action already queued must not be overtaken (a frame
+        to a learner, a checkpoint of an earlier commit). The merge writes the payload — the
+        new params in an f32 session, their bf16 bits otherwise — and advances the progress
+        block by block, holding back the last byte until the commit is done, so no learner can
+        complete a BCAST of a round that fails to commit.
+        """
+        sender = self.early_sends
+        if sender is None:
+            return None
+        config = self.config
+        if config.checkpoint_enabled and done.step % config.checkpoint_every == 0:
+            return None
+        if not all(isinstance(action, _OVERTAKABLE) for action in out):
+            return None
+        targets = [
+            key
+            for key in self._registry.current_members()
+            if (group := self._registry.get(key)) is not None
+            and group.ready
+            and group.bcast_versions.get(done.fragment) != done.step
+        ]
+        if not targets:
+            return None
+        model = self._require_model()
+        numel = model.fragments[done.fragment].geometry.numel
+        new_params: F32Array | None = None
+        if bcast_bf16 is not None:
+            message = bcast_of_bf16(done.fragment, done.step, bcast_bf16)
+            itemsize = bcast_bf16.itemsize
+        else:
+            new_params = model.arrays.take(numel)
+            message = bcast_message(done.fragment, done.step, new_params, WireDtype.F32)
+            if not np.shares_memory(np.frombuffer(message.data, np.uint8), new_params):
+                return None  # a big-endian host's f32 BCAST is a copy, made too early here
+            itemsize = new_params.itemsize
+        nbytes = numel * itemsize
+        progress = PayloadProgress(nbytes)
+        held_back = max(nbytes - 1, 0)
+
+        def elements_done(count: int) -> None:
+            progress.advance(min(count * itemsize, held_back))
+
+        sender([Send(key, message, progress) for key in targets])
+        for key in targets:
+            group = self._registry.get(key)
+            assert group is not None
+            group.bcast_versions[done.fragment] = done.step
+        return _StreamedBroadcast(message, progress, new_params, elements_done)
 
     def _broadcast(self, fragment: int, targets: tuple[GroupKey, ...], out: list[Action]) -> None:
         """BCAST the fragment's current version to each ready target that lacks it."""

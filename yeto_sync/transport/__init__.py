@@ -14,6 +14,7 @@ from typing import Protocol
 from yeto_proto import AnyMessage, ErrorMessage, Limits
 
 from ..events import ConnId, Event, GroupKey
+from ..payload_progress import PayloadProgress
 from .group import ConnectionGroups, Hangup, Transmit, WireCommand, error_text
 
 
@@ -35,8 +36,14 @@ class Transport(Protocol):
 
     def refuse(self, conn: ConnId, error: ErrorMessage) -> None: ...
 
-    async def send(self, group: GroupKey, message: AnyMessage) -> None:
-        """Queue ``message`` to ``group``; waits (bounded) while the group's queues are full."""
+    async def send(
+        self, group: GroupKey, message: AnyMessage, progress: PayloadProgress | None = None
+    ) -> None:
+        """Queue ``message`` to ``group``; waits (bounded) while the group's queues are full.
+
+        With ``progress`` (see :class:`~yeto_sync.events.Send`) no byte goes out before it is
+        final, and a withdrawn payload cuts the group's connections.
+        """
         ...
 
     def close_group(self, group: GroupKey, error: ErrorMessage | None) -> None: ...

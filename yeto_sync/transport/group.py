@@ -66,6 +66,7 @@ from ..events import (
     HelloReceived,
     MessageReceived,
 )
+from ..payload_progress import PayloadProgress
 from .finite_scan import FiniteScan
 
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -116,16 +117,41 @@ def error_text(error: ProtocolError, *, first_frame: bool = False) -> str:
 
 
 # -- what a transport must do -------------------------------------------------------------------
+#: How many leading bytes of a frame may be written now; raises
+#: :class:`~yeto_sync.payload_progress.PayloadWithdrawn` once they never all will.
+Writable = Callable[[], int]
+
+
 @dataclass(frozen=True, slots=True)
 class Transmit:
-    """Queue one frame (its buffers, in order) on ``conn``."""
+    """Queue one frame (its buffers, in order) on ``conn``.
+
+    ``writable`` is set for a frame whose payload is still being written (a streamed BCAST);
+    ``progress`` is what it reads, for a writer that waits for it to grow.
+    """
 
     conn: ConnId
     buffers: Buffers
+    writable: Writable | None = None
+    progress: PayloadProgress | None = None
 
     @property
     def size(self) -> int:
         return sum(len(memoryview(b)) for b in self.buffers)
+
+
+def _writable_part(
+    progress: PayloadProgress, payload_at: int, start: int, stop: int, envelope: int
+) -> Writable:
+    """For a frame carrying bytes ``[start, stop)`` of a message after an ``envelope``-byte
+    head of its own, where the message's payload begins at ``payload_at``: the frame's
+    writable prefix as the payload's final prefix grows."""
+
+    def writable() -> int:
+        final = payload_at + progress.ready
+        return envelope + min(max(final - start, 0), stop - start)
+
+    return writable
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,12 +385,15 @@ class ConnectionGroups:
         return self._take_wire()
 
     # -- outgoing --------------------------------------------------------------------------
-    def route(self, key: GroupKey, message: AnyMessage) -> list[Transmit]:
+    def route(
+        self, key: GroupKey, message: AnyMessage, progress: PayloadProgress | None = None
+    ) -> list[Transmit]:
         """The frames that carry ``message`` to group ``key``, each with its socket.
 
         Bulk frames are sliced into CHUNKs dealt round-robin over the data sockets; everything
         else, and everything to a group without data streams, goes plain on stream 0. A group
-        that is gone, or not ready, receives nothing.
+        that is gone, or not ready, receives nothing. With ``progress`` (the payload, the
+        frame's tail, is still being written) each frame says how much of it is writable.
         """
         group = self._groups.get(key)
         if group is None:
@@ -378,8 +407,23 @@ class ConnectionGroups:
             return []
         frame = encode(message)
         if group.slicer is None or message.TYPE not in STRIPED_TYPES:
-            return [Transmit(group.control, frame)]
-        return [Transmit(group.data[s.stream_idx], s.buffers) for s in group.slicer.slice(frame)]
+            parts = [(group.control, frame, 0)]
+        else:
+            parts = [(group.data[s.stream_idx], s.buffers, 1) for s in group.slicer.slice(frame)]
+        if progress is None:
+            return [Transmit(conn, buffers) for conn, buffers, _ in parts]
+        total = sum(len(memoryview(b)) for b in frame)
+        if progress.total > total:
+            raise ValueError("a payload cannot be longer than its frame")
+        payload_at = total - progress.total
+        transmits, start = [], 0
+        for conn, buffers, heads in parts:  # a CHUNK's first buffer is its own envelope
+            envelope = sum(len(memoryview(b)) for b in buffers[:heads])
+            stop = start + sum(len(memoryview(b)) for b in buffers[heads:])
+            writable = _writable_part(progress, payload_at, start, stop, envelope)
+            transmits.append(Transmit(conn, buffers, writable, progress))
+            start = stop
+        return transmits
 
     # -- time ------------------------------------------------------------------------------
     def expire(self, now: float) -> list[WireCommand]:

@@ -10,11 +10,17 @@ runs the driver until nothing is left to do at the current time, and
 
 from __future__ import annotations
 
+import anyio
+
 from yeto_proto import AnyMessage, ErrorMessage, Limits, encode, encode_bytes
 
 from ..driver import CoordinatorLike, Driver, Outputs
 from ..events import ConnId, Event, GroupKey
+from ..payload_progress import PayloadProgress
 from .group import ConnectionGroups, Hangup, LogFn, Transmit, WireCommand
+
+#: How often an in-memory send looks again at a payload that is still being written.
+_PROGRESS_POLL_S = 0.001
 
 
 class FakeClock:
@@ -103,7 +109,16 @@ class MemoryTransport:
     def refuse(self, conn: ConnId, error: ErrorMessage) -> None:
         self._apply(self.groups.refuse(conn, error))
 
-    async def send(self, group: GroupKey, message: AnyMessage) -> None:
+    async def send(
+        self, group: GroupKey, message: AnyMessage, progress: PayloadProgress | None = None
+    ) -> None:
+        """Deliver ``message`` whole; a payload still being written is waited for first."""
+        if progress is not None:
+            while not progress.complete:
+                if progress.withdrawn:
+                    self._apply(self.groups.close_group(group, None))
+                    return
+                await anyio.sleep(_PROGRESS_POLL_S)
         self._apply(self.groups.route(group, message))
 
     def close_group(self, group: GroupKey, error: ErrorMessage | None) -> None:

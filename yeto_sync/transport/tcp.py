@@ -26,12 +26,14 @@ Every wait is bounded:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import socket
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import anyio
 import anyio.abc
@@ -41,8 +43,9 @@ from yeto_proto import AnyMessage, ErrorMessage, Limits, encode
 from yeto_proto.frames import Buffers, OutgoingBuffers
 
 from ..events import ConnId, Event, GroupKey
+from ..payload_progress import PayloadProgress, PayloadWithdrawn
 from . import Clock
-from .group import ConnectionGroups, Hangup, LogFn, Transmit, WireCommand
+from .group import ConnectionGroups, Hangup, LogFn, Transmit, WireCommand, Writable
 
 #: The receive buffer all sockets share (a read never outlives the task step that made it).
 RECV_BUFFER_SIZE = 4 << 20
@@ -55,8 +58,36 @@ LISTEN_BACKLOG = 512
 IOV_BATCH = 512
 
 
+async def _grown(progress: PayloadProgress, seen: int) -> None:
+    """Wait until ``progress`` is beyond ``seen`` bytes (raises once it is withdrawn).
+
+    The producer is a merge thread: its listener only hands the wake-up to this event loop.
+    """
+    loop = asyncio.get_running_loop()
+    changed = asyncio.Event()
+
+    def wake() -> None:
+        loop.call_soon_threadsafe(changed.set)
+
+    unsubscribe = progress.subscribe(wake)
+    try:
+        while progress.ready <= seen:
+            await changed.wait()
+            changed.clear()
+    finally:
+        unsubscribe()
+
+
 class SendStalled(Exception):
     """A socket accepted no bytes for the whole stall timeout."""
+
+
+class Outgoing(NamedTuple):
+    """A queued frame; ``writable``/``progress`` as in :class:`~.group.Transmit`."""
+
+    buffers: Buffers
+    writable: Writable | None = None
+    progress: PayloadProgress | None = None
 
 
 class SendQueue:
@@ -64,7 +95,7 @@ class SendQueue:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._frames: deque[tuple[Buffers, int]] = deque()
+        self._frames: deque[tuple[Outgoing, int]] = deque()
         self._bytes = 0
         self.closed = False
         self._changed = anyio.Event()
@@ -77,27 +108,37 @@ class SendQueue:
         self._changed.set()
         self._changed = anyio.Event()
 
-    async def put(self, buffers: Buffers, size: int) -> bool:
-        """Queue a frame once there is room; False if the queue was closed instead."""
-        while not self.closed and self._frames and self._bytes + size > self.max_bytes:
+    async def put(self, frame: Outgoing, size: int) -> bool:
+        """Queue a frame once there is room; False if the queue was closed instead.
+
+        A frame whose payload is still being written goes in at once, room or not: its
+        producer waits for this call, and the writer ahead of it may be waiting for the
+        producer (the bound is exceeded by at most the message being streamed).
+        """
+        while (
+            frame.progress is None
+            and not self.closed
+            and self._frames
+            and self._bytes + size > self.max_bytes
+        ):
             await self._changed.wait()
         if self.closed:
             return False
-        self._frames.append((buffers, size))
+        self._frames.append((frame, size))
         self._bytes += size
         self._notify()
         return True
 
-    async def get(self) -> Buffers | None:
+    async def get(self) -> Outgoing | None:
         """The next frame; ``None`` once the queue is closed and empty."""
         while not self._frames:
             if self.closed:
                 return None
             await self._changed.wait()
-        buffers, size = self._frames.popleft()
+        frame, size = self._frames.popleft()
         self._bytes -= size
         self._notify()
-        return buffers
+        return frame
 
     def close(self, *, last: Buffers | None = None, discard: bool) -> None:
         """No more frames: optionally drop those not yet started, then queue ``last``."""
@@ -107,7 +148,7 @@ class SendQueue:
             self._frames.clear()
             self._bytes = 0
         if last is not None:
-            self._frames.append((last, 0))
+            self._frames.append((Outgoing(last), 0))
         self.closed = True
         self._notify()
 
@@ -148,6 +189,8 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 
 class TcpTransport:
+    #: Sends a payload's final bytes as they come (see :class:`~yeto_sync.events.Send`).
+    streams_partial_payloads = True
     """The syncer's listener and sockets; use :meth:`serve` to run it."""
 
     def __init__(
@@ -260,13 +303,16 @@ class TcpTransport:
     def close_group(self, group: GroupKey, error: ErrorMessage | None) -> None:
         self._apply(self.groups.close_group(group, error))
 
-    async def send(self, group: GroupKey, message: AnyMessage) -> None:
-        for transmit in self.groups.route(group, message):
+    async def send(
+        self, group: GroupKey, message: AnyMessage, progress: PayloadProgress | None = None
+    ) -> None:
+        for transmit in self.groups.route(group, message, progress):
             peer = self._peers.get(transmit.conn)
             if peer is None:
                 continue
+            frame = Outgoing(transmit.buffers, transmit.writable, transmit.progress)
             with anyio.move_on_after(self.stall_timeout) as waited:
-                queued = await peer.queue.put(transmit.buffers, transmit.size)
+                queued = await peer.queue.put(frame, transmit.size)
             if waited.cancelled_caught:
                 reason = f"send queue full for {self.stall_timeout:g} s"
                 self._apply(self.groups.lost(transmit.conn, reason))
@@ -403,17 +449,31 @@ class TcpTransport:
                 peer.frame_scope = None
                 if scope.cancelled_caught:
                     return False
-        except (OSError, SendStalled) as exc:
-            reason = "send stalled" if isinstance(exc, SendStalled) else f"send failed: {exc}"
+        except (OSError, SendStalled, PayloadWithdrawn) as exc:
+            if isinstance(exc, PayloadWithdrawn):
+                # Half a message is on the wire and will never be completed: cut it off.
+                reason = "broadcast withdrawn: its merge failed"
+            else:
+                reason = "send stalled" if isinstance(exc, SendStalled) else f"send failed: {exc}"
             self._apply(self.groups.lost(peer.conn, reason))
             return False
         return True
 
-    async def _write_frame(self, sock: socket.socket, frame: Buffers) -> None:
-        pending = OutgoingBuffers(frame, IOV_BATCH)
+    async def _write_frame(self, sock: socket.socket, frame: Outgoing) -> None:
+        pending = OutgoingBuffers(frame.buffers, IOV_BATCH)
+        written = 0
         while not pending.done:
+            room = None
+            if frame.writable is not None and frame.progress is not None:
+                # Read the progress before the room it allows: a wake-up between the two
+                # reads would otherwise be taken as already seen, and never come again.
+                seen = frame.progress.ready
+                room = frame.writable() - written
+                if room <= 0:
+                    await _grown(frame.progress, seen)
+                    continue
             try:
-                sent = sock.sendmsg(pending.batch())
+                sent = sock.sendmsg(pending.batch(room))
             except (BlockingIOError, InterruptedError):
                 sent = 0
             if not sent:
@@ -423,3 +483,4 @@ class TcpTransport:
                     raise SendStalled
                 continue
             pending.advance(sent)
+            written += sent
