@@ -17,9 +17,10 @@ Parts (``--part``, comma separated; default all):
   do not overlap — the bytes
   through the syncer per round as counted on the learners' sockets, and the daemon's peak RSS
   (``VmHWM`` of ``/proc/<pid>/status``, read after the final cut, before the FINAL_ACKs).
-  Learners pre-compute their f32 delta, encode it in the session dtype when pulled (q4 and bf16
-  encoding are part of the round; f32 goes out as the delta's own bytes, as (a) sends them) and
-  do not decode BCASTs (no learner compute is timed).
+  Learners pre-compute their f32 delta and, when pulled, stream its encode in the session
+  dtype: range by range, just ahead of the socket, so encoding overlaps sending (q4 and bf16
+  encoding are part of the round; f32 goes out as the delta's own bytes, as (a) sends them);
+  they do not decode BCASTs (no learner compute is timed).
   Beside them, in the same run: (a) plain blocking Python sockets moving the same bytes (M
   clients send the push bytes to one server — a thread per client, ``recv_into`` preallocated
   buffers — which then ``sendall``\\ s the bcast bytes back), (b) ``torch.distributed`` gloo
@@ -100,7 +101,8 @@ from yeto_proto import (  # noqa: E402
     encode_tensor,
     tensor_nbytes,
 )
-from yeto_proto.constants import STRIPED_TYPES  # noqa: E402
+from yeto_proto.constants import Q4_BLOCK_VALUES, STRIPED_TYPES  # noqa: E402
+from yeto_proto.dtypes import _q4_encode_blocks, _Q4EncodeScratch  # noqa: E402
 
 F32Array = NDArray[np.float32]
 MIB = 1 << 20
@@ -108,6 +110,13 @@ SPAWN = multiprocessing.get_context("spawn")
 DTYPES = {"f32": WireDtype.F32, "bf16": WireDtype.BF16, "q4": WireDtype.Q4}
 RECV_BUFFER = 4 * MIB
 THROTTLE_SLICE = 64 << 10
+#: Values a streamed PUSH encode does per step (a whole number of q4 blocks): about 66 KiB of
+#: q4 or 256 KiB of bf16, a fraction of a millisecond of encoding.
+STREAM_ENCODE_VALUES = 1 << 17
+#: Piece size of an unthrottled streamed send (raw loopback): each piece is encoded just before
+#: it is written. On loopback the send is CPU-bound, so pieces of one encode step (~66 KiB of
+#: q4) only add syscalls and wake-ups (q4 push ~53 ms instead of ~37 ms, M = S = 2, 2 cores).
+STREAM_SEND_PIECE = 1 * MIB
 TIMEOUT_S = 300.0
 FINGERPRINT = bytes(range(32))
 CONTRACT = bytes(range(64, 96))
@@ -140,6 +149,90 @@ class TokenBucket:
             time.sleep(-self.level / self.rate)
 
 
+def _address(view: memoryview) -> int:
+    """Where the first byte of a (non-empty) byte view lives."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+class StreamedPayload:
+    """A PUSH payload encoded lazily, range by range, just ahead of the socket layer.
+
+    ``data`` views the whole encode buffer, but its bytes are valid only up to a watermark:
+    :meth:`restart` forgets them (a new round), and :meth:`ready`, called before each piece of
+    a frame is written, first encodes every range the piece reaches into. The bytes equal
+    :func:`encode_tensor` of the whole delta: q4 is a run of independent blocks (256 values in
+    132 bytes, a block's scale then its codes; only the last block is zero-padded), and bf16 is
+    elementwise. Pieces are recognised by address, so CHUNK slices of the frame work too.
+
+    Whole q4 steps go through the codec's block encoder with scratch kept across steps and
+    rounds: ``q4_encode`` allocates about 1.8 MB of scratch per call, which glibc hands out
+    fresh from mmap each time, and 128 calls a round cost some 54k page faults (~100 ms).
+    """
+
+    def __init__(
+        self,
+        values: F32Array,
+        dtype: WireDtype,
+        out: NDArray[np.uint8],
+        step_values: int = STREAM_ENCODE_VALUES,
+    ) -> None:
+        if dtype is WireDtype.F32:
+            raise ValueError("f32 needs no encoding: send the delta's own bytes")
+        if step_values <= 0 or step_values % Q4_BLOCK_VALUES:
+            raise ValueError(f"step_values must be a positive multiple of {Q4_BLOCK_VALUES}")
+        self.values = values.reshape(-1)
+        self.dtype = dtype
+        self.numel = self.values.size
+        self.out = out.reshape(-1)
+        if self.out.size != self._nbytes(self.numel):
+            raise ValueError(f"out must be {self._nbytes(self.numel)} bytes, got {self.out.size}")
+        self.data = self.out.data
+        self.step_values = step_values
+        #: Bytes of one encode step.
+        self.step_bytes = self._nbytes(step_values)
+        self._base = _address(self.data) if self.out.size else 0
+        self._q4_scratch = (
+            _Q4EncodeScratch(step_values // Q4_BLOCK_VALUES) if dtype is WireDtype.Q4 else None
+        )
+        self.encoded_values = 0
+        self.encoded_bytes = 0
+
+    def _nbytes(self, numel: int) -> int:
+        return tensor_nbytes(self.dtype, numel, push=True)
+
+    @property
+    def done(self) -> bool:
+        return self.encoded_values == self.numel
+
+    def restart(self) -> None:
+        """A new round: nothing of the buffer counts as encoded any more."""
+        self.encoded_values = 0
+        self.encoded_bytes = 0
+
+    def ready(self, piece: memoryview) -> None:
+        """Encode far enough that ``piece`` (any byte view about to be sent) is valid."""
+        if self.done or not len(piece):
+            return
+        offset = _address(piece) - self._base
+        if not 0 <= offset < self.out.size:
+            return  # not payload bytes (a header, a CHUNK envelope)
+        end = offset + len(piece)
+        while self.encoded_bytes < end:
+            self._encode_step()
+
+    def _encode_step(self) -> None:
+        start = self.encoded_values
+        stop = min(start + self.step_values, self.numel)
+        byte_stop = self._nbytes(stop)  # exact: start and every stop but the last are on blocks
+        values, dest = self.values[start:stop], self.out[self.encoded_bytes : byte_stop]
+        if self._q4_scratch is not None and stop - start == self.step_values:
+            _q4_encode_blocks(values, dest, self._q4_scratch)  # what q4_encode runs per step
+        else:  # bf16 (no scratch with ml_dtypes), or the last q4 step (its tail is padded)
+            encode_tensor(values, self.dtype, push=True, out=dest)
+        self.encoded_values = stop
+        self.encoded_bytes = byte_stop
+
+
 @dataclass
 class Link:
     """A learner's socket layer: optional up and down buckets, and byte counters."""
@@ -147,21 +240,42 @@ class Link:
     rate: float | None = None
     sent: int = 0
     received: int = 0
+    #: Piece size of an unthrottled send of a streamed payload (throttled: THROTTLE_SLICE).
+    stream_piece: int = STREAM_SEND_PIECE
 
     def __post_init__(self) -> None:
         self.up = TokenBucket(self.rate) if self.rate else None
         self.down = TokenBucket(self.rate) if self.rate else None
 
-    def send(self, sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> int:
+    def send(
+        self,
+        sock: socket.socket,
+        buffers: Sequence[bytes | memoryview],
+        streamed: StreamedPayload | None = None,
+    ) -> int:
+        """Write ``buffers``; with ``streamed``, each piece's payload bytes are encoded first.
+
+        The encode happens before the bucket is charged, so on the emulated link it overlaps
+        the wire time of the bytes already written (up to the bucket's burst).
+        """
         total = 0
         for buffer in buffers:
             view = memoryview(buffer).cast("B")
-            if self.up is None:
+            if self.up is not None:
+                step = THROTTLE_SLICE
+            elif streamed is not None and not streamed.done:
+                step = self.stream_piece
+            else:
+                step = 0  # all at once
+            if not step:
                 sock.sendall(view)
             else:
-                for start in range(0, len(view), THROTTLE_SLICE):
-                    piece = view[start : start + THROTTLE_SLICE]
-                    self.up.spend(len(piece))
+                for start in range(0, len(view), step):
+                    piece = view[start : start + step]
+                    if streamed is not None:
+                        streamed.ready(piece)
+                    if self.up is not None:
+                        self.up.spend(len(piece))
                     sock.sendall(piece)
             total += len(view)
         self.sent += total
@@ -240,11 +354,19 @@ class BenchLearner:
         self.report = LearnerReport(plan.learner_id)
         rng = np.random.default_rng(plan.learner_id + 1)
         self.deltas = [rng.normal(0.0, 1e-3, n).astype(np.float32) for n in plan.numels]
-        #: Encode buffers per fragment; f32 has none (its wire bytes are the delta's own).
+        #: Streamed encodes per fragment, each into its own buffer; f32 has none (its wire
+        #: bytes are the delta's own).
         self.encoded = (
             []
             if self.dtype is WireDtype.F32
-            else [np.empty(tensor_nbytes(self.dtype, n, push=True), np.uint8) for n in plan.numels]
+            else [
+                StreamedPayload(
+                    delta,
+                    self.dtype,
+                    np.empty(tensor_nbytes(self.dtype, delta.size, push=True), np.uint8),
+                )
+                for delta in self.deltas
+            ]
         )
         self.sockets: list[socket.socket] = []
         self.decoders: dict[socket.socket, FrameDecoder] = {}
@@ -294,12 +416,13 @@ class BenchLearner:
         for sock in self.sockets:
             sock.close()
 
-    def send(self, message: AnyMessage) -> int:
+    def send(self, message: AnyMessage, streamed: StreamedPayload | None = None) -> int:
+        """Write ``message`` (striped when it may be); ``streamed``: its payload's encoder."""
         frame = encode(message)
         if self.slicer is None or message.TYPE not in STRIPED_TYPES:
-            return self.link.send(self.sockets[0], frame)
+            return self.link.send(self.sockets[0], frame, streamed)
         return sum(
-            self.link.send(self.sockets[1 + chunk.stream_idx], chunk.buffers)
+            self.link.send(self.sockets[1 + chunk.stream_idx], chunk.buffers, streamed)
             for chunk in self.slicer.slice(frame)
         )
 
@@ -399,9 +522,15 @@ class BenchLearner:
 
     def _push(self, pull: PullReq) -> None:
         fragment = pull.fragment_id
-        # f32 needs no encoding: its wire bytes are the delta's own (a view, as (a) sends them).
-        out = None if self.dtype is WireDtype.F32 else self.encoded[fragment]
-        payload = encode_tensor(self.deltas[fragment], self.dtype, push=True, out=out)
+        streamed: StreamedPayload | None = None
+        if self.dtype is WireDtype.F32:
+            # No encoding: the wire bytes are the delta's own (a view, as (a) sends them).
+            payload = encode_tensor(self.deltas[fragment], self.dtype, push=True).data
+        else:
+            # Encoded range by range as the socket layer reaches it (see StreamedPayload).
+            streamed = self.encoded[fragment]
+            streamed.restart()
+            payload = streamed.data
         push = PushFragment(
             learner_id=self.plan.learner_id,
             fragment_id=fragment,
@@ -411,9 +540,9 @@ class BenchLearner:
             local_step=pull.global_step,
             c_steps=1,
             c_tokens=1000,
-            data=payload.data,
+            data=payload,
         )
-        self.report.push_bytes[pull.global_step] = self.send(push)
+        self.report.push_bytes[pull.global_step] = self.send(push, streamed)
         self.report.pushed[pull.global_step] = time.monotonic()
 
     def _maybe_ack(self) -> None:
