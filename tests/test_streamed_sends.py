@@ -64,6 +64,7 @@ from yeto_sync.events import (
 from yeto_sync.payload_progress import PayloadProgress, PayloadWithdrawn
 from yeto_sync.transport import MonotonicClock
 from yeto_sync.transport.group import ConnectionGroups, Transmit
+from yeto_sync.transport.link_pace import RECENT_FRAMES, LinkPace
 from yeto_sync.transport.memory import FakeClock
 from yeto_sync.transport.tcp import TcpTransport
 
@@ -869,3 +870,43 @@ def test_driver_refuses_to_stream_over_a_transport_that_delivers_whole_payloads(
 
     with pytest.raises(TypeError, match="partial payloads"):
         Driver(Streaming(), WholePayloads(), FakeClock(), stream_broadcasts=True)
+
+
+def test_driver_handles_on_the_loop_while_the_transport_sees_only_fast_links() -> None:
+    class FastLinks(Recorder):
+        def prefers_streaming(self) -> bool:
+            return False
+
+    class Plain(Committer):
+        def handle(self, event: Event, now: float) -> list[Action]:
+            self.handle_threads.append(threading.current_thread())
+            assert self.early_sends is None  # nothing to stream behind: commit as usual
+            return [Send(KEY, PullReq(0, 2, 1))]
+
+    async def scenario() -> None:
+        transport = FastLinks()
+        coordinator = Plain(transport)
+        driver = Driver(coordinator, transport, FakeClock(), stream_broadcasts=True)
+        with anyio.fail_after(WAIT_S):
+            await driver.dispatch(TimerFired("commit"))
+        assert coordinator.handle_threads == [threading.main_thread()]
+        assert [message for message, *_ in transport.sends] == [PullReq(0, 2, 1)]
+
+    run(scenario)
+
+
+def test_link_pace_streams_until_recent_bulk_frames_are_fast() -> None:
+    pace = LinkPace(threshold=1e9)
+    assert pace.slow  # nothing measured yet: assume a slow link
+    pace.record(100, 1.0)  # small frames say nothing
+    assert pace.slow
+    for _ in range(RECENT_FRAMES):
+        pace.record(4 << 20, (4 << 20) / 3e9)  # 3 GB/s: loopback
+    assert not pace.slow
+    for _ in range(RECENT_FRAMES // 2 - 1):
+        pace.record(4 << 20, (4 << 20) / 0.1e9)  # a few slow frames: the median holds
+    assert not pace.slow
+    for _ in range(2):
+        pace.record(4 << 20, (4 << 20) / 0.1e9)  # most recent frames slow: stream again
+    assert pace.slow
+    pace.record(4 << 20, 0.0)  # a zero duration is a very fast frame, not a crash

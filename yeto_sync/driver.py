@@ -164,7 +164,8 @@ class Driver:
         (:attr:`~yeto_sync.coordinator.Coordinator.early_sends`); the event loop keeps
         reading and writing sockets meanwhile. Needs a transport that sends a payload's
         final bytes as they come (the TCP transport); the in-memory one delivers whole
-        messages.
+        messages. A transport with ``prefers_streaming()`` is asked before each event: where
+        every recent link ran as fast as memory, the event is handled on the loop as usual.
         """
         self.coordinator = coordinator
         self._offload = stream_broadcasts
@@ -200,7 +201,7 @@ class Driver:
         if self.exit is not None:
             return
         now = self.clock.now()
-        if self._offload:
+        if self._streams_now():
             # Not abandoned on cancellation: a stop waits for the event to be fully handled.
             actions = await anyio.to_thread.run_sync(self.coordinator.handle, event, now)
         else:
@@ -214,6 +215,16 @@ class Driver:
                 )
                 return
             await self._execute(action)
+
+    def _streams_now(self) -> bool:
+        """Stream this event's BCASTs? Only while the transport sees a slow link (it pays)."""
+        if not self._offload:
+            return False
+        prefers = getattr(self.transport, "prefers_streaming", None)
+        streaming = prefers is None or bool(prefers())
+        assert isinstance(self.coordinator, StreamingCoordinator)
+        self.coordinator.early_sends = self._send_from_handler if streaming else None
+        return streaming
 
     def _send_from_handler(self, sends: Sequence[Send]) -> None:
         """The coordinator's early sends: queued on the event loop before ``handle`` goes on."""

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import math
 import socket
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from ..events import ConnId, Event, GroupKey
 from ..payload_progress import PayloadProgress, PayloadWithdrawn
 from . import Clock
 from .group import ConnectionGroups, Hangup, LogFn, Transmit, WireCommand, Writable
+from .link_pace import LinkPace
 
 #: The receive buffer all sockets share (a read never outlives the task step that made it).
 RECV_BUFFER_SIZE = 4 << 20
@@ -189,9 +191,10 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 
 class TcpTransport:
+    """The syncer's listener and sockets; use :meth:`serve` to run it."""
+
     #: Sends a payload's final bytes as they come (see :class:`~yeto_sync.events.Send`).
     streams_partial_payloads = True
-    """The syncer's listener and sockets; use :meth:`serve` to run it."""
 
     def __init__(
         self,
@@ -212,6 +215,8 @@ class TcpTransport:
         #: The bound address (with port 0 requested, the port the system chose).
         self.address: tuple[str, int] = (str(host), int(port))
         self._tg = task_group
+        #: Recent bulk-frame rates: whether streaming broadcasts pays (:meth:`prefers_streaming`).
+        self.link_pace = LinkPace()
         self._log = log if log is not None else (lambda level, text, fields: None)
         self.send_queue_bytes = send_queue_bytes
         self.stall_timeout = stall_timeout
@@ -459,9 +464,15 @@ class TcpTransport:
             return False
         return True
 
+    def prefers_streaming(self) -> bool:
+        """Whether a commit should stream its BCAST: some learner's link is slow lately."""
+        return self.link_pace.slow
+
     async def _write_frame(self, sock: socket.socket, frame: Outgoing) -> None:
         pending = OutgoingBuffers(frame.buffers, IOV_BATCH)
         written = 0
+        started = time.monotonic()
+        waited_for_payload = 0.0
         while not pending.done:
             room = None
             if frame.writable is not None and frame.progress is not None:
@@ -470,7 +481,9 @@ class TcpTransport:
                 seen = frame.progress.ready
                 room = frame.writable() - written
                 if room <= 0:
+                    paused = time.monotonic()
                     await _grown(frame.progress, seen)
+                    waited_for_payload += time.monotonic() - paused
                     continue
             try:
                 sent = sock.sendmsg(pending.batch(room))
@@ -484,3 +497,4 @@ class TcpTransport:
                 continue
             pending.advance(sent)
             written += sent
+        self.link_pace.record(written, time.monotonic() - started - waited_for_payload)
