@@ -51,6 +51,8 @@ F64Array = NDArray[np.float64]
 Pushed = F32Array | WireTensor
 #: Hands out an uninitialized flat f32 array of the given length (a pool, or :func:`_fresh`).
 Allocate = Callable[[int], F32Array]
+#: Told "the first n values of the outputs are final", n only growing.
+Progress = Callable[[int], None]
 
 
 def _fresh(numel: int) -> F32Array:
@@ -694,10 +696,6 @@ def _outer_step(step: _StepPass, on_progress: Progress | None = None) -> float:
             _accumulate_into(summed, step.terms, step.coefs)
         return gnorm(summed)
     return math.sqrt(_sequential_sum(squares))
-
-
-#: Told "the first n values of the outputs are final", n only growing.
-Progress = Callable[[int], None]
 
 
 class _FinishedFront:
