@@ -168,7 +168,9 @@ class Driver:
         every recent link ran as fast as memory, the event is handled on the loop as usual.
         """
         self.coordinator = coordinator
-        self._offload = stream_broadcasts
+        #: The coordinator to stream for, and the transport's "is it worth it now?".
+        self._streaming: StreamingCoordinator | None = None
+        self._prefers_streaming: Callable[[], bool] = lambda: True
         if stream_broadcasts:
             if not isinstance(coordinator, StreamingCoordinator):
                 raise TypeError("streaming broadcasts needs a coordinator with early_sends")
@@ -178,6 +180,8 @@ class Driver:
                 raise TypeError(
                     "streaming broadcasts needs a transport that sends partial payloads"
                 )
+            self._streaming = coordinator
+            self._prefers_streaming = getattr(transport, "prefers_streaming", lambda: True)
             coordinator.early_sends = self._send_from_handler
         #: Drained before every checkpoint write; once poisoned, no checkpoint is published.
         self.iso_pool = iso_pool
@@ -218,12 +222,10 @@ class Driver:
 
     def _streams_now(self) -> bool:
         """Stream this event's BCASTs? Only while the transport sees a slow link (it pays)."""
-        if not self._offload:
+        if self._streaming is None:
             return False
-        prefers = getattr(self.transport, "prefers_streaming", None)
-        streaming = prefers is None or bool(prefers())
-        assert isinstance(self.coordinator, StreamingCoordinator)
-        self.coordinator.early_sends = self._send_from_handler if streaming else None
+        streaming = bool(self._prefers_streaming())
+        self._streaming.early_sends = self._send_from_handler if streaming else None
         return streaming
 
     def _send_from_handler(self, sends: Sequence[Send]) -> None:

@@ -665,30 +665,28 @@ def _outer_step(step: _StepPass, on_progress: Progress | None = None) -> float:
     squares = [0.0] * blocks
     front = _FinishedFront(blocks, numel, on_progress)
     threads = min(_STEP_THREADS if numel >= _THREADED_MIN else 1, blocks)
-    if threads <= 1:
-        for index in range(blocks):
-            squares[index] = step.block(index)
+    claims = itertools.count()  # next() is atomic under the GIL: each block runs once
+    failures: list[tuple[int, BaseException]] = []
+
+    def work() -> None:
+        while not failures and (index := next(claims)) < blocks:
+            try:
+                squares[index] = step.block(index)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, in block order
+                failures.append((index, exc))
+                return
             front.finished(index)
+
+    if threads <= 1:
+        work()
     else:
-        claims = itertools.count()  # next() is atomic under the GIL: each block runs once
-        failures: list[tuple[int, BaseException]] = []
-
-        def work() -> None:
-            while not failures and (index := next(claims)) < blocks:
-                try:
-                    squares[index] = step.block(index)
-                except BaseException as exc:  # noqa: BLE001 - re-raised below, in block order
-                    failures.append((index, exc))
-                    return
-                front.finished(index)
-
         futures = [_step_executor().submit(work) for _ in range(threads)]
         for future in futures:  # every thread done before raising: none writes after
             future.result()
-        if failures:
-            # Every block below a failed one was claimed and ran to its end, so the lowest
-            # failure is the one a single thread would have met first: the error is the same.
-            raise min(failures, key=lambda failure: failure[0])[1]
+    if failures:
+        # Every block below a failed one was claimed and ran to its end, so the lowest
+        # failure is the one a single thread would have met first: the error is the same.
+        raise min(failures, key=lambda failure: failure[0])[1]
     if numel <= _SMALL:  # small fragments: the norm exactly as gnorm() takes it (one einsum)
         summed = step.delta
         if summed is None:

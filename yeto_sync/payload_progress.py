@@ -81,12 +81,3 @@ class PayloadProgress:
                     self._listeners.remove(listener)
 
         return unsubscribe
-
-
-def scaled(progress: PayloadProgress, bytes_per_element: int) -> Callable[[int], None]:
-    """A callback taking "the first n elements are final" for a payload of such elements."""
-
-    def elements_done(count: int) -> None:
-        progress.advance(count * bytes_per_element)
-
-    return elements_done

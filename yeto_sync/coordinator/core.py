@@ -15,7 +15,8 @@ generations), :mod:`.schedule` (fragment targets, pipeline, pacing, grace), :mod
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -857,7 +858,7 @@ class Coordinator:
             self._bcasts[done.fragment] = streamed.message
         elif bcast_bf16 is not None:  # encoded by the merge pass itself
             self._bcasts[done.fragment] = bcast_of_bf16(done.fragment, done.step, bcast_bf16)
-        if self.config.checkpoint_enabled and done.step % self.config.checkpoint_every == 0:
+        if self._checkpoints_at(done.step):
             # Durable before the broadcast below leaves (the transport runs actions in order).
             out.append(WriteCheckpoint(self._snapshot(session)))
         self._broadcast(done.fragment, self._registry.current_members(), out)
@@ -893,20 +894,14 @@ class Coordinator:
         complete a BCAST of a round that fails to commit.
         """
         sender = self.early_sends
-        if sender is None:
-            return None
-        config = self.config
-        if config.checkpoint_enabled and done.step % config.checkpoint_every == 0:
+        if sender is None or self._checkpoints_at(done.step):
             return None
         if not all(isinstance(action, _OVERTAKABLE) for action in out):
             return None
-        targets = [
-            key
-            for key in self._registry.current_members()
-            if (group := self._registry.get(key)) is not None
-            and group.ready
-            and group.bcast_versions.get(done.fragment) != done.step
-        ]
+        if bcast_bf16 is None and sys.byteorder != "little":
+            return None  # the f32 BCAST would be a byte-swapped copy, made before the merge
+        members = self._registry.current_members()
+        targets = self._claim_bcast_targets(members, done.fragment, done.step)
         if not targets:
             return None
         model = self._require_model()
@@ -915,11 +910,9 @@ class Coordinator:
         if bcast_bf16 is not None:
             message = bcast_of_bf16(done.fragment, done.step, bcast_bf16)
             itemsize = bcast_bf16.itemsize
-        else:
+        else:  # the payload is a view of the new params themselves
             new_params = model.arrays.take(numel)
             message = bcast_message(done.fragment, done.step, new_params, WireDtype.F32)
-            if not np.shares_memory(np.frombuffer(message.data, np.uint8), new_params):
-                return None  # a big-endian host's f32 BCAST is a copy, made too early here
             itemsize = new_params.itemsize
         nbytes = numel * itemsize
         progress = PayloadProgress(nbytes)
@@ -929,11 +922,12 @@ class Coordinator:
             progress.advance(min(count * itemsize, held_back))
 
         sender([Send(key, message, progress) for key in targets])
-        for key in targets:
-            group = self._registry.get(key)
-            assert group is not None
-            group.bcast_versions[done.fragment] = done.step
         return _StreamedBroadcast(message, progress, new_params, elements_done)
+
+    def _checkpoints_at(self, step: int) -> bool:
+        """Whether the commit of ``step`` writes a checkpoint (before its broadcast)."""
+        config = self.config
+        return config.checkpoint_enabled and step % config.checkpoint_every == 0
 
     def _broadcast(self, fragment: int, targets: tuple[GroupKey, ...], out: list[Action]) -> None:
         """BCAST the fragment's current version to each ready target that lacks it."""
@@ -946,14 +940,23 @@ class Coordinator:
                 fragment, slot.version, params, session.dtype, model.arrays.take_bytes
             )
             self._bcasts[fragment] = message
+        for key in self._claim_bcast_targets(targets, fragment, slot.version):
+            out.append(Send(key, message))
+
+    def _claim_bcast_targets(
+        self, targets: Iterable[GroupKey], fragment: int, version: int
+    ) -> list[GroupKey]:
+        """The ready targets still lacking ``version`` of ``fragment``, now marked as sent it."""
+        claimed = []
         for key in targets:
             group = self._registry.get(key)
             if group is None or not group.ready:
                 continue
-            if group.bcast_versions.get(fragment) == slot.version:
+            if group.bcast_versions.get(fragment) == version:
                 continue
-            group.bcast_versions[fragment] = slot.version
-            out.append(Send(key, message))
+            group.bcast_versions[fragment] = version
+            claimed.append(key)
+        return claimed
 
     # -- finalization ----------------------------------------------------------------------
     def _maybe_finalize(self, now: float, out: list[Action]) -> None:
