@@ -495,6 +495,37 @@ def test_a_placed_chunk_lands_in_the_message_buffer_without_a_copy() -> None:
     assert last == BCAST
 
 
+def test_the_decoder_names_the_chunk_being_placed_and_how_much_of_it_is_in() -> None:
+    from yeto_proto import FrameDecoder
+
+    (wire,) = _striped_streams(BCAST, 1, 100)
+    reassembler = Reassembler(Role.LEARNER, LIMITS)
+    decoder = FrameDecoder(Role.LEARNER, limits=LIMITS, chunk_sink=reassembler)
+    assert decoder.placed_chunk() is None  # nothing known yet
+    decoder.feed(wire[:13])
+    assert decoder.placed_chunk() is None  # the envelope is not in: no place yet
+    decoder.feed(wire[13 : 13 + 24])
+    target = decoder.writable()
+    assert target is not None
+    for filled in (0, 60):
+        placed = decoder.placed_chunk()
+        assert placed is not None
+        chunk, now_in = placed
+        msg_id, total, offset = struct.unpack_from("<QQQ", wire, 13)
+        assert (chunk.msg_id, chunk.total_len, chunk.offset, now_in) == (
+            msg_id,
+            total,
+            offset,
+            filled,
+        )
+        assert len(chunk.data) == 100 and _address(chunk.data) == _address(target)
+        decoder.wrote(60 - filled)
+    decoder.wrote(40)  # the rest: the CHUNK is handed on and no longer being placed
+    assert decoder.placed_chunk() is None
+    (done,) = decoder.frames()
+    assert isinstance(done, Chunk) and done.offset == offset
+
+
 def test_a_placed_chunk_is_refused_as_soon_as_its_envelope_is_in() -> None:
     from yeto_proto import FrameDecoder
 

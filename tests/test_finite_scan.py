@@ -84,6 +84,80 @@ def test_the_verdict_equals_a_full_check_for_any_slicing_and_arrival_order(
     assert scanned(message, slice_size, order) is (bad_at is None)
 
 
+def scanned_read_by_read(
+    message: AnyMessage, slice_size: int, rng: np.random.Generator
+) -> bool | None:
+    """As :func:`scanned`, but each CHUNK's data lands in reads of random size, the reads of
+    different CHUNKs interleaved, into a target whose bytes not yet read are NaN patterns."""
+    chunks = chunks_of(message, slice_size)
+    reads: list[tuple[int, int]] = []  # (chunk, bytes in after the read), each chunk in order
+    for i, chunk in enumerate(chunks):
+        cuts = sorted({int(c) for c in rng.integers(1, len(chunk.data) + 1, size=3)})
+        reads += [(i, cut) for cut in [*cuts[:-1], len(chunk.data)] if cut]
+    order = rng.permutation(len(reads))
+    # Interleave the chunks' reads at random, keeping each chunk's own reads in order.
+    by_chunk = [[cut for i, cut in reads if i == c] for c in range(len(chunks))]
+    sequence = sorted(range(len(reads)), key=lambda r: order[r])
+    owners = [reads[r][0] for r in sequence]
+    targets = [bytearray(b"\xff" * len(chunk.data)) for chunk in chunks]
+    filled = [0] * len(chunks)
+    reassembler, scan = Reassembler(Role.SYNCER, LIMITS), FiniteScan()
+    for i in owners:
+        chunk, target = chunks[i], targets[i]
+        upto = by_chunk[i].pop(0)
+        target[filled[i] : upto] = chunk.data[filled[i] : upto]
+        filled[i] = upto
+        landing = Chunk(chunk.msg_id, chunk.total_len, chunk.offset, memoryview(target))
+        scan.chunk_progress(landing, upto)
+        if upto < len(chunk.data):
+            continue
+        inner = reassembler.add(landing)
+        scan.chunk_done(landing)
+        if inner is not None:
+            assert inner == message
+            return scan.verdict(chunk.msg_id, inner)
+    raise AssertionError("the message never completed")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    bad_at=st.one_of(st.none(), st.integers(0, NUMEL - 1)),
+    special=st.sampled_from(SPECIALS),
+    slice_size=st.integers(1, 450),
+    seed=st.integers(0, 2**32 - 1),
+    init=st.booleans(),
+)
+def test_checking_each_read_as_it_lands_gives_the_same_verdict(
+    bad_at: int | None, special: float, slice_size: int, seed: int, init: bool
+) -> None:
+    rng = np.random.default_rng(seed)
+    values = rng.normal(0, 1e30, NUMEL).astype(np.float32)
+    if bad_at is not None:
+        values[bad_at] = special
+    message: AnyMessage = InitParams(0, values.data) if init else push_of(values)
+    # Bytes not yet read hold NaN patterns: a check that looked past a read would fail this.
+    assert scanned_read_by_read(message, slice_size, rng) is (bad_at is None)
+
+
+@pytest.mark.parametrize("landed", [np.float32(0.0), np.float32(np.nan)])
+def test_values_are_judged_as_they_landed_and_not_read_again(landed: np.float32) -> None:
+    values = np.zeros(NUMEL, np.float32)
+    values[40] = landed
+    (whole,) = chunks_of(push_of(values), 1 << 12)  # one CHUNK
+    target = bytearray(whole.data)
+    landing = Chunk(whole.msg_id, whole.total_len, whole.offset, memoryview(target))
+    scan = FiniteScan()
+    scan.chunk_progress(landing, len(target))
+    # Later changes to bytes already checked (which a peer cannot make) are not seen: the
+    # check ran when they landed, while they were in cache, and is not repeated.
+    flipped = np.frombuffer(target, np.float32, NUMEL, 13 + 48)
+    flipped[40] = np.float32(0.0) if np.isnan(landed) else np.float32(np.inf)
+    scan.chunk_done(landing)
+    inner = Reassembler(Role.SYNCER, LIMITS).add(landing)
+    assert inner is not None
+    assert scan.verdict(whole.msg_id, inner) is bool(np.isfinite(landed))
+
+
 def test_a_value_split_across_two_chunks_is_checked_when_the_message_is_whole() -> None:
     values = np.zeros(NUMEL, np.float32)
     start = 13 + 48  # PUSH header + fixed fields: the tensor's first byte in the message

@@ -31,7 +31,7 @@ from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from .frames import Buffers, decode_payload, header
 from .limits import Limits
 from .messages import AnyMessage, Chunk, as_byte_view
-from .schema import CHUNK_PREFIX, HEADER_STRUCT
+from .schema import CHUNK_PREFIX, HEADER_STRUCT, PREFIX_STRUCTS
 
 
 def _address(view: memoryview) -> int:
@@ -91,13 +91,22 @@ class ChunkSlicer:
         return out
 
 
+#: Where the tensor of the bulk message each side receives starts in its reassembled frame (a
+#: learner's BCAST and FINAL_FRAGMENT, the syncer's PUSH): reassembly buffers align it, so the
+#: values are read at full speed where they landed (the syncer's INIT lands 4-byte aligned).
+_TENSOR_AT = {
+    Role.LEARNER: HEADER_SIZE + PREFIX_STRUCTS[FrameType.BCAST_FRAGMENT].size,
+    Role.SYNCER: HEADER_SIZE + PREFIX_STRUCTS[FrameType.PUSH_FRAGMENT].size,
+}
+
+
 class _Partial:
     __slots__ = ("total_len", "buffer", "address", "spans", "filled", "placed")
 
-    def __init__(self, total_len: int, buffers: BufferPool) -> None:
+    def __init__(self, total_len: int, buffers: BufferPool, receiver: Role) -> None:
         self.total_len = total_len
         # Uninitialized: a message completes only once every byte has been written.
-        self.buffer = buffers.take(total_len)
+        self.buffer = buffers.take(total_len, align_at=_TENSOR_AT[receiver])
         self.address = _address(self.buffer)
         self.spans: list[tuple[int, int]] = []  # sorted, disjoint, not touching [start, end)
         self.filled = 0
@@ -243,7 +252,7 @@ class Reassembler:
                     ErrorCode.TOO_MANY_PARTIALS, f"more than {self.max_partials} partial messages"
                 )
             try:
-                partial = _Partial(total_len, self._buffers)
+                partial = _Partial(total_len, self._buffers, self.receiver)
             except (
                 MemoryError,
                 OverflowError,

@@ -39,7 +39,7 @@ from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocol
 from .frames import decode_payload
 from .limits import Limits
 from .messages import AnyMessage, Chunk, as_byte_view
-from .schema import CHUNK_PREFIX, HEADER_STRUCT
+from .schema import CHUNK_PREFIX, HEADER_STRUCT, PREFIX_STRUCTS
 
 _KNOWN_TYPES = {int(t) for t in FrameType}
 
@@ -264,7 +264,11 @@ class FrameDecoder:
             return
         try:
             # Uninitialized: every byte is written by the peer's data before anyone reads it.
-            self._payload = self._buffers.take(length)
+            # Aligned where a tensor would start: after the frame type's fixed fields.
+            prefix = PREFIX_STRUCTS.get(self._frame_type)
+            self._payload = self._buffers.take(
+                length, align_at=0 if prefix is None else prefix.size
+            )
         except (MemoryError, ValueError):  # within the limit, beyond this machine
             raise RemoteProtocolError(
                 ErrorCode.FRAME_TOO_LARGE, f"cannot allocate {length} bytes"
@@ -325,6 +329,18 @@ class FrameDecoder:
             return target, True
         wanted = self.header_wanted()
         return (scratch[:wanted] if wanted else scratch), False
+
+    def placed_chunk(self) -> tuple[Chunk, int] | None:
+        """The CHUNK whose data is being read in place, and how many of its bytes are in.
+
+        The Chunk's ``data`` is its whole target view, bytes still to come included. ``None``
+        between CHUNKs and for frames read any other way. A caller that wants to look at bytes
+        as they land (while they are still in cache) asks before :meth:`wrote`, which hands a
+        finished CHUNK on and forgets it.
+        """
+        if self._placing is None or self._payload is None:
+            return None
+        return Chunk(*self._placing, data=self._payload), self._filled
 
     def wrote(self, count: int) -> None:
         """Account for ``count`` bytes a socket wrote into :meth:`writable`'s view."""

@@ -1,14 +1,16 @@
-"""NaN/inf checks of striped f32 tensors, one CHUNK at a time, as the CHUNKs land.
+"""NaN/inf checks of striped f32 tensors, as the bytes of each CHUNK land.
 
 A PUSH (or INIT) of an f32 session must be refused when its tensor holds NaN or inf, and that is
 decided when the message is complete. Checking all 64 MiB then costs the event loop several
 milliseconds in the one place nothing else can proceed: the round waits for its last push.
-CHUNKs of a striped message arrive over tens of milliseconds, so :class:`FiniteScan` checks each
-CHUNK's whole values right after the CHUNK's last byte arrives — still in cache, and while a
-link slower than the syncer leaves the event loop waiting for the next read anyway — and keeps
-the verdict; at completion only the few values that straddle two CHUNKs are left. The verdict
-travels to the coordinator as :attr:`yeto_sync.events.MessageReceived.tensor_finite`; the
-coordinator still decides, at its usual place in its checks, what a non-finite tensor means.
+CHUNKs of a striped message arrive over tens of milliseconds in reads of up to a few hundred
+KiB, so :class:`FiniteScan` checks the whole values of each read right after it landed
+(:meth:`FiniteScan.chunk_progress`) — still in the core's cache, which makes the check about
+2.5× cheaper than reading the CHUNK again from memory later — and keeps the verdict; a CHUNK's
+completion (:meth:`FiniteScan.chunk_done`) checks what no read covered, and at the message's
+completion only the few values that straddle two CHUNKs are left. The verdict travels to the
+coordinator as :attr:`yeto_sync.events.MessageReceived.tensor_finite`; the coordinator still
+decides, at its usual place in its checks, what a non-finite tensor means.
 
 The scan is advisory and never raises: anything it cannot place (a frame type without an f32
 tensor, a malformed header, a message cut into more tiny CHUNKs than :data:`MAX_TRACKED`) leaves
@@ -47,8 +49,19 @@ class _Scan:
     waiting: list[Chunk] = field(default_factory=list)
     #: Tensor value indices that straddle a CHUNK boundary: checked once the message is whole.
     straddling: list[int] = field(default_factory=list)
+    #: CHUNKs still arriving, by offset: the message position their checked values reach.
+    checked_to: dict[int, int] = field(default_factory=dict)
     finite: bool = True
     scannable: bool = True
+
+    def tracked(self) -> int:
+        return len(self.waiting) + len(self.straddling) + len(self.checked_to)
+
+    def give_up(self) -> None:
+        self.scannable = False
+        self.waiting.clear()
+        self.straddling.clear()
+        self.checked_to.clear()
 
 
 class FiniteScan:
@@ -57,29 +70,30 @@ class FiniteScan:
     def __init__(self) -> None:
         self._scans: dict[int, _Scan] = {}
 
+    def chunk_progress(self, chunk: Chunk, filled: int) -> None:
+        """The first ``filled`` bytes of ``chunk.data`` just landed: check their whole values."""
+        scan = self._scans.setdefault(chunk.msg_id, _Scan())
+        if scan.scannable and scan.finite:
+            self._locate_tensor(scan, chunk, filled)
+            if scan.tensor_start is not None:
+                self._check(scan, chunk, filled, whole=False)
+            if scan.tracked() > MAX_TRACKED:
+                scan.give_up()
+
     def chunk_done(self, chunk: Chunk) -> None:
-        """``chunk`` was accepted by the reassembler: check its whole values now."""
+        """``chunk`` was accepted by the reassembler: check its values no read covered."""
         scan = self._scans.setdefault(chunk.msg_id, _Scan())
         if not scan.scannable:
             return
-        if chunk.offset <= _TYPE_OFFSET < chunk.offset + len(chunk.data):
-            start = _tensor_start(chunk.data[_TYPE_OFFSET - chunk.offset])
-            if start is None:
-                scan.scannable = False
-                scan.waiting.clear()
-                return
-            scan.tensor_start = start
-            waiting, scan.waiting = scan.waiting, []
-            for earlier in waiting:
-                self._check(scan, earlier)
+        self._locate_tensor(scan, chunk, len(chunk.data))
+        if not scan.scannable:
+            return
         if scan.tensor_start is None:
             scan.waiting.append(chunk)
         else:
-            self._check(scan, chunk)
-        if len(scan.waiting) + len(scan.straddling) > MAX_TRACKED:
-            scan.scannable = False
-            scan.waiting.clear()
-            scan.straddling.clear()
+            self._check(scan, chunk, len(chunk.data), whole=True)
+        if scan.tracked() > MAX_TRACKED:
+            scan.give_up()
 
     def verdict(self, msg_id: int, message: AnyMessage) -> bool | None:
         """The finiteness of the completed ``message``'s tensor, or ``None`` if not scanned."""
@@ -97,17 +111,43 @@ class FiniteScan:
                 return False
         return True
 
-    @staticmethod
-    def _check(scan: _Scan, chunk: Chunk) -> None:
-        assert scan.tensor_start is not None
-        begin, end = chunk.offset, chunk.offset + len(chunk.data)
-        if end <= scan.tensor_start:
+    def _locate_tensor(self, scan: _Scan, chunk: Chunk, filled: int) -> None:
+        """Learn where the tensor starts once the frame type byte is in; check the CHUNKs
+        that waited for it."""
+        if scan.tensor_start is not None or not (
+            chunk.offset <= _TYPE_OFFSET < chunk.offset + filled
+        ):
             return
+        start = _tensor_start(chunk.data[_TYPE_OFFSET - chunk.offset])
+        if start is None:
+            scan.give_up()
+            return
+        scan.tensor_start = start
+        waiting, scan.waiting = scan.waiting, []
+        for earlier in waiting:
+            self._check(scan, earlier, len(earlier.data), whole=True)
+
+    @staticmethod
+    def _check(scan: _Scan, chunk: Chunk, filled: int, *, whole: bool) -> None:
+        """Check the values wholly inside ``chunk.data[:filled]`` that no earlier call did.
+
+        ``whole``: the CHUNK is complete (``filled`` is all of it): a value running on into
+        the next CHUNK is remembered for :meth:`verdict`, and the CHUNK's progress is dropped.
+        """
+        assert scan.tensor_start is not None
+        begin = chunk.offset
+        checked = scan.checked_to.pop(begin, begin) if whole else scan.checked_to.get(begin, begin)
+        end = begin + filled
         start = scan.tensor_start
-        first = -(-(max(begin, start) - start) // _VALUE)  # the first value wholly inside
+        if end <= start:
+            return
+        first = -(-(max(checked, start) - start) // _VALUE)  # the first value wholly inside
         stop = (end - start) // _VALUE  # one past the last value wholly inside
-        if (end - start) % _VALUE and end < chunk.total_len:
-            scan.straddling.append(stop)
+        if whole:
+            if (end - start) % _VALUE and end < chunk.total_len:
+                scan.straddling.append(stop)
+        elif stop > first:
+            scan.checked_to[begin] = start + stop * _VALUE
         if stop <= first or not scan.finite:
             return
         values = np.frombuffer(

@@ -21,7 +21,7 @@ The rules it enforces (PINNED.md § HELLO and DATA_HELLO, § Striping):
 - messages of a group that is not ready yet are held (at most ``MAX_HELD_MESSAGES``) and
   delivered right after its ``GroupReady``, so the coordinator only hears from ready groups;
 - CHUNKs from any socket of a group, stream 0 included, go to the group's reassembler; in an
-  f32 session each CHUNK's values are also checked for NaN/inf as it lands
+  f32 session each CHUNK's values are also checked for NaN/inf read by read as they land
   (:mod:`.finite_scan`), and the verdict rides on the message's ``MessageReceived``;
 - any protocol error on a socket sends ERROR on that socket and closes the whole group (its
   partial messages die with it) with :class:`~yeto_sync.events.GroupClosed`; other groups are
@@ -318,9 +318,18 @@ class ConnectionGroups:
         """``count`` bytes were read in place, into :meth:`next_read`'s view (``count`` > 0)."""
         sock = self._sockets.get(conn)
         if sock is not None:
+            placed = sock.decoder.placed_chunk()  # asked first: wrote() hands a full one on
             sock.decoder.wrote(count)
+            if placed is not None:
+                self._scan_progress(sock, *placed, count)
             self._drain(sock, now)
         return self._take_wire()
+
+    def _scan_progress(self, sock: _Socket, chunk: Chunk, filled: int, count: int) -> None:
+        """``count`` bytes of ``chunk`` landed in place: the f32 check takes them while hot."""
+        group = None if sock.group is None else self._groups.get(sock.group)
+        if group is not None and group.scan is not None:
+            group.scan.chunk_progress(chunk, filled + count)
 
     def lost(self, conn: ConnId, reason: str) -> list[WireCommand]:
         """The socket failed below the protocol (reset, send stalled): drop it and its group."""

@@ -19,6 +19,8 @@ from ..events import ConnId, Event, GroupKey
 from ..payload_progress import PayloadProgress
 from .group import ConnectionGroups, Hangup, LogFn, Transmit, WireCommand
 
+#: The largest read :meth:`MemoryTransport.deliver` makes (scratch or in place).
+MEMORY_READ_SIZE = 256 << 10
 #: How often an in-memory send looks again at a payload that is still being written.
 _PROGRESS_POLL_S = 0.001
 
@@ -81,6 +83,7 @@ class MemoryTransport:
         self.peers: dict[ConnId, MemoryPeer] = {}
         self._next_conn = 1
         self.accepting = True
+        self._scratch = memoryview(bytearray(MEMORY_READ_SIZE))
 
     def connect(self) -> MemoryPeer:
         if not self.accepting:
@@ -92,7 +95,26 @@ class MemoryTransport:
         return peer
 
     def deliver(self, conn: ConnId, data: bytes) -> None:
-        self._apply(self.groups.receive(conn, data, self.clock.now()))
+        """Hand the syncer ``data`` read by read, as the TCP transport reads a socket.
+
+        Each read is at most :data:`MEMORY_READ_SIZE` bytes, into the place
+        :meth:`ConnectionGroups.next_read` names: large payloads in place, the rest through
+        scratch. So in-place reads and everything that watches them run in these tests too.
+        """
+        now = self.clock.now()
+        if not data:
+            self._apply(self.groups.receive(conn, b"", now))
+            return
+        rest = memoryview(data)
+        while rest and self.groups.is_open(conn):
+            into, direct = self.groups.next_read(conn, self._scratch)
+            size = min(len(into), len(rest), MEMORY_READ_SIZE)
+            into[:size] = rest[:size]
+            rest = rest[size:]
+            if direct:
+                self._apply(self.groups.receive_direct(conn, size, now))
+            else:
+                self._apply(self.groups.receive(conn, into[:size], now))
 
     # -- events ----------------------------------------------------------------------------
     def poll_event(self) -> Event | None:
