@@ -77,3 +77,33 @@ def test_decoded_messages_keep_their_bytes_while_later_frames_arrive() -> None:
         held.append(message)
     for version, message in enumerate(held):
         assert np.all(np.frombuffer(message.data, dtype="<f4") == version)
+
+
+@pytest.mark.parametrize("align_at", [0, 1, 13, 61, 64, 100])
+def test_pooled_buffers_put_the_asked_byte_on_a_64_byte_boundary(align_at: int) -> None:
+    pool = BufferPool(min_size=1)
+    for size in (1000, 1000, 999, 5000):  # fresh, reused, reused for a smaller frame, fresh
+        view = pool.take(size, align_at=align_at)
+        assert len(view) == size
+        assert (_address(view) + align_at) % 64 == 0
+        del view
+
+
+def test_a_striped_push_lands_with_its_tensor_aligned() -> None:
+    from yeto_proto import ChunkSlicer, PushFragment, Reassembler, encode
+
+    numel = 50_000  # bulk: its reassembly buffer comes from the pool
+    layout = WireLayout((WireFragment(MergeMode.AVG, (numel,)),))
+    limits = Limits.of(WireDtype.F32, layout)
+    values = np.arange(numel, dtype="<f4")
+    push = PushFragment(0, 0, 1, 1, 0, 1, 1, 10, values.data)
+    decoder = FrameDecoder(Role.SYNCER, limits=limits, enforce_first_frame=False)
+    decoder.chunk_sink = reassembler = Reassembler(Role.SYNCER, limits)
+    for piece in ChunkSlicer(1, slice_size=1 << 16).slice(encode(push)):
+        decoder.feed(b"".join(bytes(b) for b in piece.buffers))
+    done = [reassembler.add(chunk) for chunk in decoder.frames()]  # type: ignore[arg-type]
+    inner = done[-1]
+    assert isinstance(inner, PushFragment)
+    tensor = np.frombuffer(inner.data, dtype="<f4")
+    assert tensor.ctypes.data % 64 == 0 and tensor.flags.aligned
+    assert np.array_equal(tensor, values)
