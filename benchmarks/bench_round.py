@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import importlib
 import io
 import json
@@ -828,7 +829,8 @@ def plain_client_process(
 
 def run_plain(
     learners: int, push_bytes: int, bcast_bytes: int, rounds: int, rate: float | None
-) -> float:
+) -> list[float]:
+    """(a): the round latencies of plain blocking sockets moving the same bytes."""
     total = rounds + 1
     server_pipe, server_child = SPAWN.Pipe()
     server = SPAWN.Process(
@@ -856,11 +858,30 @@ def run_plain(
         per_client.append(pipe.recv())
     for process in [server, *clients]:
         process.join(10)
-    latencies = [
+    return [
         max(times[r][1] for times in per_client) - min(times[r][0] for times in per_client)
         for r in range(1, total)
     ]
-    return statistics.median(latencies)
+
+
+def run_bracketed(
+    learners: int,
+    push_bytes: int,
+    bcast_bytes: int,
+    rounds: int,
+    rate: float | None,
+    case: Callable[[], RoundResult],
+) -> tuple[RoundResult, float]:
+    """``case`` between two runs of (a); (a) = the median of both runs' rounds.
+
+    This host's speed drifts by ±20% within a minute: (a) measured just before and just after
+    the case it is compared with shares the case's conditions, which (a) measured once for many
+    cases does not.
+    """
+    before = run_plain(learners, push_bytes, bcast_bytes, rounds, rate)
+    result = case()
+    after = run_plain(learners, push_bytes, bcast_bytes, rounds, rate)
+    return result, statistics.median(before + after)
 
 
 # -- (b) gloo all_reduce ---------------------------------------------------------------------
@@ -1170,7 +1191,8 @@ def rounds_part(args: argparse.Namespace, tables: Tables, throttled: bool) -> di
         "push = → last learner's PUSH written to its sockets; merge = the syncer's own merge "
         "and commit, ξ_sync (`sync_ms`) of its event tape. Bytes = per round, "
         "counted on the learners' sockets (headers and CHUNK envelopes included). (a) = plain "
-        "blocking sockets moving the same tensor bytes (same link emulation)."
+        "blocking sockets moving the same tensor bytes (same link emulation), run just before "
+        "and just after each case: the median of both runs' rounds."
     )
     tables.out()
     tables.out(
@@ -1179,10 +1201,6 @@ def rounds_part(args: argparse.Namespace, tables: Tables, throttled: bool) -> di
     )
     tables.out("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for learners in learners_list:
-        plain: dict[WireDtype, float] = {}
-        for dtype in dtypes:
-            push_bytes, bcast_bytes = wire_sizes(dtype, numel)
-            plain[dtype] = run_plain(learners, push_bytes, bcast_bytes, args.rounds, rate)
         for streams in streams_list:
             for dtype in dtypes:
                 profile = None
@@ -1191,14 +1209,29 @@ def rounds_part(args: argparse.Namespace, tables: Tables, throttled: bool) -> di
                     tag = "throttled" if throttled else "loopback"
                     name = f"{tag}-m{learners}-s{streams}-{dtype.name.lower()}.prof"
                     profile = args.profile / name
-                result = run_yeto(
-                    learners, streams, dtype, numel, args.rounds, rate=rate, profile=profile
+                push_bytes, bcast_bytes = wire_sizes(dtype, numel)
+                result, plain = run_bracketed(
+                    learners,
+                    push_bytes,
+                    bcast_bytes,
+                    args.rounds,
+                    rate,
+                    functools.partial(
+                        run_yeto,
+                        learners,
+                        streams,
+                        dtype,
+                        numel,
+                        args.rounds,
+                        rate=rate,
+                        profile=profile,
+                    ),
                 )
                 limit = RSS_BASE_MIB + (learners + 4) * frag_bytes / MIB
-                ratio = result.latency_s / plain[dtype]
+                ratio = result.latency_s / plain
                 tables.out(
                     f"| {learners} | {streams} | {dtype.name.lower()} | {ms(result.latency_s)} "
-                    f"| {ms(result.push_s)} | {ms(result.sync_s)} | {ms(plain[dtype])} "
+                    f"| {ms(result.push_s)} | {ms(result.sync_s)} | {ms(plain)} "
                     f"| {ratio:.2f}x "
                     f"| {result.bytes_in / 1e6:,.1f} | {result.bytes_out / 1e6:,.1f} "
                     f"| {result.peak_rss_mib:,.0f} | {limit:,.0f} "
@@ -1206,7 +1239,7 @@ def rounds_part(args: argparse.Namespace, tables: Tables, throttled: bool) -> di
                 )
                 key = f"{learners}/{streams}/{dtype.name.lower()}"
                 figures[key] = result.latency_s
-                figures[f"plain {key}"] = plain[dtype]
+                figures[f"plain {key}"] = plain
     return figures
 
 
