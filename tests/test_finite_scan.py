@@ -1,8 +1,9 @@
-"""The transport's NaN/inf verdict on striped f32 tensors, CHUNK by CHUNK, equals a full check."""
+"""The transport's NaN/inf verdict on f32 tensors, taken as their bytes land, equals a full check."""
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -26,11 +27,22 @@ from yeto_proto import (
     encode,
 )
 from yeto_proto.constants import FrameType
+from yeto_proto.dtypes import all_finite
+from yeto_proto.frames import decode_payload
+from yeto_sync.transport import finite_scan
 from yeto_sync.transport.finite_scan import MAX_TRACKED, FiniteScan
 
 NUMEL = 97
 LIMITS = Limits.of(WireDtype.F32, WireLayout((WireFragment(MergeMode.AVG, (NUMEL,)),)))
 SPECIALS = (np.nan, np.inf, -np.inf)
+#: Undone after every test (hypothesis runs many examples inside one test function).
+_PATCH = pytest.MonkeyPatch()
+
+
+@pytest.fixture(autouse=True)
+def _undo_patches() -> Iterator[None]:
+    yield
+    _PATCH.undo()
 
 
 def chunks_of(message: AnyMessage, slice_size: int) -> list[Chunk]:
@@ -57,6 +69,18 @@ def scanned(message: AnyMessage, slice_size: int, order: list[int] | None = None
             assert inner == message
             return scan.verdict(chunk.msg_id, inner)
     raise AssertionError("the message never completed")
+
+
+def count_checked_values() -> list[int]:
+    """From now until the test ends, how many values each bulk check of the scan looked at."""
+    counts: list[int] = []
+
+    def counting(values: np.ndarray) -> bool:
+        counts.append(values.size)
+        return all_finite(values)
+
+    _PATCH.setattr(finite_scan, "all_finite", counting)
+    return counts
 
 
 def push_of(values: np.ndarray) -> PushFragment:
@@ -135,8 +159,10 @@ def test_checking_each_read_as_it_lands_gives_the_same_verdict(
     if bad_at is not None:
         values[bad_at] = special
     message: AnyMessage = InitParams(0, values.data) if init else push_of(values)
+    checked = count_checked_values()
     # Bytes not yet read hold NaN patterns: a check that looked past a read would fail this.
     assert scanned_read_by_read(message, slice_size, rng) is (bad_at is None)
+    assert sum(checked) <= NUMEL  # no value is checked twice
 
 
 @pytest.mark.parametrize("landed", [np.float32(0.0), np.float32(np.nan)])
@@ -156,6 +182,75 @@ def test_values_are_judged_as_they_landed_and_not_read_again(landed: np.float32)
     inner = Reassembler(Role.SYNCER, LIMITS).add(landing)
     assert inner is not None
     assert scan.verdict(whole.msg_id, inner) is bool(np.isfinite(landed))
+
+
+def frame_read_in_place(
+    message: AnyMessage, cuts: list[int], copied_head: int, copied_tail: int
+) -> tuple[FiniteScan, AnyMessage]:
+    """``message`` unstriped, as a socket reads its payload: a head and a tail that come through
+    the decoder's copy (no progress reported), in-place reads in between ending at ``cuts``."""
+    raw = b"".join(bytes(b) for b in encode(message))
+    payload_bytes = raw[13:]
+    payload = memoryview(bytearray(b"\xff" * len(payload_bytes)))  # NaN patterns until read
+    scan = FiniteScan()
+    tail_from = len(payload) - copied_tail
+    ends = sorted({min(max(c, copied_head), tail_from) for c in cuts} | {tail_from})
+    payload[:copied_head] = payload_bytes[:copied_head]
+    filled = copied_head
+    frame_type = FrameType(raw[4])
+    for end in ends:
+        payload[filled:end] = payload_bytes[filled:end]
+        filled = end
+        scan.frame_progress(frame_type, payload, filled)
+    payload[filled:] = payload_bytes[filled:]
+    return scan, decode_payload(frame_type, payload, limits=LIMITS)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    bad_at=st.one_of(st.none(), st.integers(0, NUMEL - 1)),
+    special=st.sampled_from(SPECIALS),
+    cuts=st.lists(st.integers(0, 500), max_size=6),
+    copied_head=st.integers(0, 200),
+    copied_tail=st.integers(0, 200),
+    init=st.booleans(),
+)
+def test_an_unstriped_frame_read_in_place_gets_the_full_checks_verdict(
+    bad_at: int | None,
+    special: float,
+    cuts: list[int],
+    copied_head: int,
+    copied_tail: int,
+    init: bool,
+) -> None:
+    values = np.linspace(-3e38, 3e38, NUMEL, dtype=np.float32)
+    if bad_at is not None:
+        values[bad_at] = special
+    message: AnyMessage = InitParams(0, values.data) if init else push_of(values)
+    payload_size = sum(len(b) for b in encode(message)) - 13
+    copied_head = min(copied_head, payload_size)
+    copied_tail = min(copied_tail, payload_size - copied_head)
+    checked = count_checked_values()
+    scan, received = frame_read_in_place(message, cuts, copied_head, copied_tail)
+    assert received == message
+    assert scan.frame_verdict(received) is (bad_at is None)
+    assert scan.frame_verdict(received) is None  # the verdict is given once
+    assert sum(checked) <= NUMEL  # no value is checked twice
+    if bad_at is None:
+        assert sum(checked) == NUMEL
+
+
+def test_an_unstriped_frame_not_followed_gets_no_verdict() -> None:
+    values = np.zeros(NUMEL, np.float32)
+    scan, received = frame_read_in_place(push_of(values), [100], 0, 0)
+    assert scan.frame_verdict(FinalAck(3)) is None  # not a tensor frame: and forgotten
+    assert scan.frame_verdict(received) is None
+    scan, _ = frame_read_in_place(push_of(values), [100], 0, 0)
+    assert scan.frame_verdict(push_of(values)) is None  # a tensor from another buffer
+    scan = FiniteScan()
+    raw = b"".join(bytes(b) for b in encode(FinalAck(3)))
+    scan.frame_progress(FrameType.FINAL_ACK, memoryview(bytearray(raw[13:])), 5)
+    assert scan.frame_verdict(push_of(values)) is None
 
 
 def test_a_value_split_across_two_chunks_is_checked_when_the_message_is_whole() -> None:

@@ -454,7 +454,7 @@ def test_chunks_from_any_socket_including_stream_0_reassemble_in_any_order() -> 
     run(scenario)
 
 
-def test_striped_f32_tensors_carry_the_verdict_of_their_arrival_check() -> None:
+def test_f32_tensors_carry_the_verdict_of_their_arrival_check() -> None:
     async def scenario() -> None:
         coordinator = AdmitAll()
         syncer = new_syncer(coordinator)
@@ -467,10 +467,12 @@ def test_striped_f32_tensors_carry_the_verdict_of_their_arrival_check() -> None:
             push = PushFragment(0, 0, 1, 1, 0, 10, 4, 4000, values.view(np.uint8).data)
             for piece in slicer.slice(encode(push)):
                 peers[1 + piece.stream_idx].write(b"".join(piece.buffers))
-        peers[0].send(_push())  # a plain frame on stream 0: not checked on the way in
+        # Unstriped frames on stream 0, read in place: checked on the way in as well.
+        peers[0].send(_push())
+        peers[0].send(PushFragment(0, 0, 1, 1, 0, 10, 4, 4000, bad.view(np.uint8).data))
         await syncer.settle()
         verdicts = [e.tensor_finite for e in coordinator.of_type(MessageReceived)]
-        assert verdicts == [False, True, None]
+        assert verdicts == [False, True, True, False]
 
     run(scenario)
 

@@ -342,6 +342,17 @@ class FrameDecoder:
             return None
         return Chunk(*self._placing, data=self._payload), self._filled
 
+    def frame_in_place(self) -> tuple[FrameType, memoryview, int] | None:
+        """The frame (not a placed CHUNK) whose payload is being read in place: its type, its
+        whole payload view, and how many payload bytes are in; ``None`` otherwise.
+
+        Bytes that came through :meth:`feed` before the in-place reads began count as in. Ask
+        before :meth:`wrote`, as for :meth:`placed_chunk`.
+        """
+        if self._placing is not None or self._payload is None or self._frame_type is None:
+            return None
+        return self._frame_type, self._payload, self._filled
+
     def wrote(self, count: int) -> None:
         """Account for ``count`` bytes a socket wrote into :meth:`writable`'s view."""
         if self._payload is None or not 0 <= count <= len(self._payload) - self._filled:

@@ -1,16 +1,17 @@
-"""NaN/inf checks of striped f32 tensors, as the bytes of each CHUNK land.
+"""NaN/inf checks of f32 tensors, as their bytes land.
 
 A PUSH (or INIT) of an f32 session must be refused when its tensor holds NaN or inf, and that is
 decided when the message is complete. Checking all 64 MiB then costs the event loop several
 milliseconds in the one place nothing else can proceed: the round waits for its last push.
-CHUNKs of a striped message arrive over tens of milliseconds in reads of up to a few hundred
-KiB, so :class:`FiniteScan` checks the whole values of each read right after it landed
-(:meth:`FiniteScan.chunk_progress`) — still in the core's cache, which makes the check about
-2.5× cheaper than reading the CHUNK again from memory later — and keeps the verdict; a CHUNK's
-completion (:meth:`FiniteScan.chunk_done`) checks what no read covered, and at the message's
-completion only the few values that straddle two CHUNKs are left. The verdict travels to the
-coordinator as :attr:`yeto_sync.events.MessageReceived.tensor_finite`; the coordinator still
-decides, at its usual place in its checks, what a non-finite tensor means.
+CHUNKs of a striped message arrive over tens of milliseconds in reads of up to a few MiB, so
+:class:`FiniteScan` checks the whole values of each read right after it landed
+(:meth:`FiniteScan.chunk_progress`), while they are still in the processor's caches rather
+than read again from memory later, and keeps the verdict; a CHUNK's completion
+(:meth:`FiniteScan.chunk_done`) checks what no read covered, and at the message's completion
+only the few values that straddle two CHUNKs are left. An unstriped PUSH or INIT (a session
+without data streams) is checked the same way while its payload is read in place. The verdict
+travels to the coordinator as :attr:`yeto_sync.events.MessageReceived.tensor_finite`; the
+coordinator still decides, at its usual place in its checks, what a non-finite tensor means.
 
 The scan is advisory and never raises: anything it cannot place (a frame type without an f32
 tensor, a malformed header, a message cut into more tiny CHUNKs than :data:`MAX_TRACKED`) leaves
@@ -64,11 +65,51 @@ class _Scan:
         self.checked_to.clear()
 
 
+@dataclass
+class _FrameScan:
+    """An unstriped frame's payload, checked as if it were the one CHUNK of its message."""
+
+    payload: memoryview  # the decoder's view, to know the frame again
+    part: Chunk
+    scan: _Scan
+
+
 class FiniteScan:
-    """Per-group verdicts on the f32 tensors of messages still being reassembled."""
+    """Per-group verdicts on the f32 tensors of messages still arriving.
+
+    Striped messages are followed by ``msg_id``; an unstriped PUSH or INIT (a session without
+    data streams) is followed while its payload is read in place (:meth:`frame_progress`).
+    """
 
     def __init__(self) -> None:
         self._scans: dict[int, _Scan] = {}
+        self._frame: _FrameScan | None = None
+
+    def frame_progress(self, frame_type: FrameType, payload: memoryview, filled: int) -> None:
+        """The first ``filled`` bytes of an unstriped frame's ``payload`` are in."""
+        start = _TENSOR_START.get(frame_type)
+        if start is None:
+            self._frame = None
+            return
+        frame = self._frame
+        if frame is None or frame.payload is not payload:  # another frame: start over
+            part = Chunk(0, HEADER_SIZE + len(payload), HEADER_SIZE, payload)
+            frame = self._frame = _FrameScan(payload, part, _Scan(tensor_start=start))
+        if frame.scan.finite:
+            self._check(frame.scan, frame.part, filled, whole=False)
+
+    def frame_verdict(self, message: AnyMessage) -> bool | None:
+        """The finiteness of the unstriped ``message``'s tensor, or ``None`` if not followed."""
+        frame, self._frame = self._frame, None
+        if frame is None or not isinstance(message, PushFragment | InitParams):
+            return None
+        assert frame.scan.tensor_start is not None
+        tensor_at = frame.scan.tensor_start - HEADER_SIZE
+        if _address(message.data) != _address(frame.part.data) + tensor_at:
+            return None  # not the payload that was followed
+        # The payload's last bytes (under the decoder's bulk size) came through a copy.
+        self._check(frame.scan, frame.part, len(frame.part.data), whole=True)
+        return frame.scan.finite
 
     def chunk_progress(self, chunk: Chunk, filled: int) -> None:
         """The first ``filled`` bytes of ``chunk.data`` just landed: check their whole values."""
@@ -155,6 +196,10 @@ class FiniteScan:
         )
         if not all_finite(values):
             scan.finite = False
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else -1
 
 
 def _tensor_start(type_byte: int) -> int | None:

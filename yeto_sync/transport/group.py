@@ -21,8 +21,9 @@ The rules it enforces (PINNED.md § HELLO and DATA_HELLO, § Striping):
 - messages of a group that is not ready yet are held (at most ``MAX_HELD_MESSAGES``) and
   delivered right after its ``GroupReady``, so the coordinator only hears from ready groups;
 - CHUNKs from any socket of a group, stream 0 included, go to the group's reassembler; in an
-  f32 session each CHUNK's values are also checked for NaN/inf read by read as they land
-  (:mod:`.finite_scan`), and the verdict rides on the message's ``MessageReceived``;
+  f32 session each CHUNK's values (and an unstriped PUSH's or INIT's, when read in place) are
+  also checked for NaN/inf read by read as they land (:mod:`.finite_scan`), and the verdict
+  rides on the message's ``MessageReceived``;
 - any protocol error on a socket sends ERROR on that socket and closes the whole group (its
   partial messages die with it) with :class:`~yeto_sync.events.GroupClosed`; other groups are
   untouched.
@@ -318,18 +319,25 @@ class ConnectionGroups:
         """``count`` bytes were read in place, into :meth:`next_read`'s view (``count`` > 0)."""
         sock = self._sockets.get(conn)
         if sock is not None:
-            placed = sock.decoder.placed_chunk()  # asked first: wrote() hands a full one on
-            sock.decoder.wrote(count)
-            if placed is not None:
-                self._scan_progress(sock, *placed, count)
+            decoder = sock.decoder
+            # Asked before wrote(), which hands a finished frame on and forgets it.
+            placed = decoder.placed_chunk()
+            in_place = None if placed is not None else decoder.frame_in_place()
+            decoder.wrote(count)
+            # The f32 check takes the bytes that just landed while they are in cache.
+            scan = self._scan_of(sock)
+            if scan is not None and placed is not None:
+                chunk, filled = placed
+                scan.chunk_progress(chunk, filled + count)
+            elif scan is not None and in_place is not None:
+                frame_type, payload, filled = in_place
+                scan.frame_progress(frame_type, payload, filled + count)
             self._drain(sock, now)
         return self._take_wire()
 
-    def _scan_progress(self, sock: _Socket, chunk: Chunk, filled: int, count: int) -> None:
-        """``count`` bytes of ``chunk`` landed in place: the f32 check takes them while hot."""
+    def _scan_of(self, sock: _Socket) -> FiniteScan | None:
         group = None if sock.group is None else self._groups.get(sock.group)
-        if group is not None and group.scan is not None:
-            group.scan.chunk_progress(chunk, filled + count)
+        return None if group is None else group.scan
 
     def lost(self, conn: ConnId, reason: str) -> list[WireCommand]:
         """The socket failed below the protocol (reset, send stalled): drop it and its group."""
@@ -576,6 +584,8 @@ class ConnectionGroups:
             if group.scan is not None:
                 finite = group.scan.verdict(message.msg_id, inner)
             message = inner
+        elif group.scan is not None:
+            finite = group.scan.frame_verdict(message)
         event = MessageReceived(group.key, message, finite)
         if group.ready:
             self.events.append(event)
