@@ -1,4 +1,4 @@
-"""The transport's NaN/inf verdict on f32 tensors, taken as their bytes land, equals a full check."""
+"""The transport's NaN/inf verdict on f32 tensors, taken as the bytes land, equals a full check."""
 
 from __future__ import annotations
 
@@ -87,27 +87,6 @@ def push_of(values: np.ndarray) -> PushFragment:
     return PushFragment(0, 0, 3, 1, 2, 7, 1, 10, values.astype("<f4").data)
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    bad_at=st.one_of(st.none(), st.integers(0, NUMEL - 1)),
-    special=st.sampled_from(SPECIALS),
-    slice_size=st.integers(1, 450),
-    seed=st.integers(0, 2**32 - 1),
-    init=st.booleans(),
-)
-def test_the_verdict_equals_a_full_check_for_any_slicing_and_arrival_order(
-    bad_at: int | None, special: float, slice_size: int, seed: int, init: bool
-) -> None:
-    rng = np.random.default_rng(seed)
-    values = rng.normal(0, 1e30, NUMEL).astype(np.float32)  # finite, some sums overflow
-    if bad_at is not None:
-        values[bad_at] = special
-    message: AnyMessage = InitParams(0, values.data) if init else push_of(values)
-    pieces = len(chunks_of(message, slice_size))
-    order = [int(i) for i in rng.permutation(pieces)]
-    assert scanned(message, slice_size, order) is (bad_at is None)
-
-
 def scanned_read_by_read(
     message: AnyMessage, slice_size: int, rng: np.random.Generator
 ) -> bool | None:
@@ -143,6 +122,7 @@ def scanned_read_by_read(
     raise AssertionError("the message never completed")
 
 
+@pytest.mark.parametrize("read_by_read", [False, True], ids=["whole CHUNKs", "read by read"])
 @settings(max_examples=300, deadline=None)
 @given(
     bad_at=st.one_of(st.none(), st.integers(0, NUMEL - 1)),
@@ -151,17 +131,22 @@ def scanned_read_by_read(
     seed=st.integers(0, 2**32 - 1),
     init=st.booleans(),
 )
-def test_checking_each_read_as_it_lands_gives_the_same_verdict(
-    bad_at: int | None, special: float, slice_size: int, seed: int, init: bool
+def test_the_verdict_equals_a_full_check_for_any_slicing_and_arrival_order(
+    read_by_read: bool, bad_at: int | None, special: float, slice_size: int, seed: int, init: bool
 ) -> None:
     rng = np.random.default_rng(seed)
-    values = rng.normal(0, 1e30, NUMEL).astype(np.float32)
+    values = rng.normal(0, 1e30, NUMEL).astype(np.float32)  # finite, some sums overflow
     if bad_at is not None:
         values[bad_at] = special
     message: AnyMessage = InitParams(0, values.data) if init else push_of(values)
     checked = count_checked_values()
-    # Bytes not yet read hold NaN patterns: a check that looked past a read would fail this.
-    assert scanned_read_by_read(message, slice_size, rng) is (bad_at is None)
+    if read_by_read:
+        # Bytes not yet read hold NaN patterns: a check that looked past a read would fail this.
+        verdict = scanned_read_by_read(message, slice_size, rng)
+    else:
+        order = [int(i) for i in rng.permutation(len(chunks_of(message, slice_size)))]
+        verdict = scanned(message, slice_size, order)
+    assert verdict is (bad_at is None)
     assert sum(checked) <= NUMEL  # no value is checked twice
 
 
