@@ -43,7 +43,6 @@ M = 4).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import functools
 import importlib
@@ -55,6 +54,7 @@ import platform
 import pstats
 import queue
 import selectors
+import signal
 import socket
 import statistics
 import subprocess
@@ -1432,5 +1432,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
+    # SIGTERM unwinds like Ctrl+C, so every case's cleanup (syncer and learners killed) runs.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
         sys.exit(main())
+    except KeyboardInterrupt:
+        print(
+            "bench_round: interrupted; the tables above are all it measured, nothing was kept",
+            file=sys.stderr,
+        )
+        sys.exit(130)
