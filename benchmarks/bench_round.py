@@ -141,13 +141,21 @@ class TokenBucket:
         self.level = float(burst)
         self.stamp = time.monotonic()
 
-    def spend(self, size: int) -> None:
+    def spend(self, size: int, idle: Callable[[], bool] | None = None) -> None:
+        """Charge ``size`` bytes; while the wire is behind, ``idle()`` may work instead of
+        sleeping (it returns False once it has nothing to do)."""
+        self._refill()
+        self.level -= size
+        while self.level < 0:
+            if idle is None or not idle():
+                time.sleep(-self.level / self.rate)
+                return
+            self._refill()
+
+    def _refill(self) -> None:
         now = time.monotonic()
         self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
         self.stamp = now
-        self.level -= size
-        if self.level < 0:
-            time.sleep(-self.level / self.rate)
 
 
 def _address(view: memoryview) -> int:
@@ -221,6 +229,13 @@ class StreamedPayload:
         while self.encoded_bytes < end:
             self._encode_step()
 
+    def encode_ahead(self) -> bool:
+        """Encode one more step past what was asked for; False when all is encoded."""
+        if self.done:
+            return False
+        self._encode_step()
+        return True
+
     def _encode_step(self) -> None:
         start = self.encoded_values
         stop = min(start + self.step_values, self.numel)
@@ -256,8 +271,10 @@ class Link:
     ) -> int:
         """Write ``buffers``; with ``streamed``, each piece's payload bytes are encoded first.
 
-        The encode happens before the bucket is charged, so on the emulated link it overlaps
-        the wire time of the bytes already written (up to the bucket's burst).
+        On the emulated link the encode runs while the bytes already written are still on the
+        wire: a piece is encoded before the bucket is charged, and while the bucket makes the
+        sender wait, it encodes further ahead instead of sleeping, as a real link lets a
+        sender's CPU work while its socket buffer drains.
         """
         total = 0
         for buffer in buffers:
@@ -276,7 +293,8 @@ class Link:
                     if streamed is not None:
                         streamed.ready(piece)
                     if self.up is not None:
-                        self.up.spend(len(piece))
+                        ahead = None if streamed is None else streamed.encode_ahead
+                        self.up.spend(len(piece), ahead)
                     sock.sendall(piece)
             total += len(view)
         self.sent += total

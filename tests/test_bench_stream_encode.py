@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -149,3 +150,27 @@ def test_streamed_payload_encodes_only_what_a_piece_reaches(bench: ModuleType) -
     assert out.tobytes() == encode_tensor(delta, WireDtype.Q4, push=True).tobytes()
     with pytest.raises(ValueError):
         bench.StreamedPayload(delta, WireDtype.Q4, out, step_values=300)
+
+
+def test_a_throttled_sender_encodes_ahead_while_its_bytes_are_on_the_wire(
+    bench: ModuleType,
+) -> None:
+    numel = 4 * 512
+    delta = np.random.default_rng(3).normal(0.0, 1.0, numel).astype(np.float32)
+    out = np.full(tensor_nbytes(WireDtype.Q4, numel, push=True), 0xEE, np.uint8)
+    streamed = bench.StreamedPayload(delta, WireDtype.Q4, out, step_values=512)
+    bucket = bench.TokenBucket(rate=1e6, burst=100)  # 1 MB/s: 10 kB is 10 ms behind
+    steps: list[int] = []
+
+    def ahead() -> bool:
+        steps.append(streamed.encoded_values)
+        return bool(streamed.encode_ahead())
+
+    started = time.monotonic()
+    bucket.spend(10_000, ahead)
+    # Every step was encoded while waiting, then the rest of the wait was slept: the wire
+    # time is kept either way (a lower bound, so a slow host cannot fail it).
+    assert time.monotonic() - started >= (10_000 - 100) / 1e6 - 1e-4
+    assert steps == [0, 512, 1024, 1536, 2048] and streamed.done
+    assert out.tobytes() == encode_tensor(delta, WireDtype.Q4, push=True).tobytes()
+    assert not streamed.encode_ahead()
