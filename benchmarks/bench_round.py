@@ -705,6 +705,8 @@ class RoundResult:
     #: Wall time per round over the measured rounds (first PULL → last BCAST, / rounds):
     #: with several fragments in flight rounds overlap, and this is what a run's speed is.
     interval_s: float
+    #: Median time between the ends (last learner's BCAST) of consecutive rounds.
+    period_s: float
     bytes_in: int  # learners → syncer, per round
     bytes_out: int  # syncer → learners, per round
     peak_rss_mib: float
@@ -779,6 +781,9 @@ def run_yeto(
         statistics.median(sync_ms[t] for t in steps) / 1000,
         (max(r.bcasts[total] for r in reports) - min(r.pulls[warmup + 1] for r in reports))
         / rounds,
+        statistics.median(
+            max(r.bcasts[t] for r in reports) - max(r.bcasts[t - 1] for r in reports) for t in steps
+        ),
         int(bytes_in),
         int(bytes_out),
         peak_kib / 1024,
@@ -1206,6 +1211,9 @@ def rounds_part(args: argparse.Namespace, tables: Tables, throttled: bool) -> di
         f"M, delta correction none; median of {args.rounds} rounds after {WARMUP_PASSES} warm-up "
         "rounds. Round t = "
         "first learner holding both PULL t and BCAST t−1 → last learner's receipt of BCAST t; "
+        "back to back = the median time from one round's end to the next one's (rounds follow "
+        "one another; a round's latency also counts how much earlier the first learner had "
+        "the last BCAST than the last learner, this does not); "
         "push = → last learner's PUSH written to its sockets; merge = the syncer's own merge "
         "and commit, ξ_sync (`sync_ms`) of its event tape. Bytes = per round, "
         "counted on the learners' sockets (headers and CHUNK envelopes included). (a) = plain "
@@ -1214,10 +1222,10 @@ def rounds_part(args: argparse.Namespace, tables: Tables, throttled: bool) -> di
     )
     tables.out()
     tables.out(
-        "| M | S | dtype | round ms | of it: push ms | merge ms | (a) plain ms | round / (a) "
-        "| in MB | out MB | peak RSS MiB | RSS limit MiB | RSS |"
+        "| M | S | dtype | round ms | back to back ms | of it: push ms | merge ms | (a) plain ms "
+        "| round / (a) | in MB | out MB | peak RSS MiB | RSS limit MiB | RSS |"
     )
-    tables.out("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    tables.out("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for learners in learners_list:
         for streams in streams_list:
             for dtype in dtypes:
@@ -1249,7 +1257,8 @@ def rounds_part(args: argparse.Namespace, tables: Tables, throttled: bool) -> di
                 ratio = result.latency_s / plain
                 tables.out(
                     f"| {learners} | {streams} | {dtype.name.lower()} | {ms(result.latency_s)} "
-                    f"| {ms(result.push_s)} | {ms(result.sync_s)} | {ms(plain)} "
+                    f"| {ms(result.period_s)} | {ms(result.push_s)} | {ms(result.sync_s)} "
+                    f"| {ms(plain)} "
                     f"| {ratio:.2f}x "
                     f"| {result.bytes_in / 1e6:,.1f} | {result.bytes_out / 1e6:,.1f} "
                     f"| {result.peak_rss_mib:,.0f} | {limit:,.0f} "
