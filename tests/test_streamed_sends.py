@@ -431,6 +431,17 @@ async def tcp_syncer() -> AsyncIterator[tuple[TcpTransport, Admitter]]:
             tasks.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def one_group(num_streams: int) -> AsyncIterator[tuple[TcpTransport, Admitter, RawClient]]:
+    """A TCP syncer with learner 0's group (KEY) connected; the client is closed afterwards."""
+    async with tcp_syncer() as (transport, admitter):
+        client = await connect(transport, admitter, 0, num_streams)
+        try:
+            yield transport, admitter, client
+        finally:
+            client.close()
+
+
 async def connect(
     transport: TcpTransport, admitter: Admitter, learner_id: int, num_streams: int
 ) -> RawClient:
@@ -453,6 +464,13 @@ class Producer:
         done = self.progress.ready
         self.buffer[done:ready] = self.final[done:ready]
         self.progress.advance(ready)
+
+
+async def send_streamed(transport: TcpTransport) -> Producer:
+    """Hand ``transport`` a BCAST for KEY whose payload a :class:`Producer` is still writing."""
+    producer = Producer()
+    await transport.send(KEY, producer.message, producer.progress)
+    return producer
 
 
 def check_on_wire(
@@ -500,20 +518,15 @@ def test_tcp_sends_a_streamed_bcast_no_faster_than_its_payload_is_final(
         wait_until(lambda: bool(decode_all(client)), "the whole BCAST")
 
     async def scenario() -> None:
-        async with tcp_syncer() as (transport, admitter):
-            client = await connect(transport, admitter, 0, num_streams)
-            try:
-                with anyio.fail_after(WAIT_S * 2):
-                    producer = Producer()
-                    await transport.send(KEY, producer.message, producer.progress)
-                    await anyio.to_thread.run_sync(produce, client, producer)
-                (bcast,) = decode_all(client)
-                assert isinstance(bcast, BcastFragment) and bcast.version == 7
-                assert bytes(bcast.data) == producer.final.tobytes()
-                assert not any(client.eof())
-                assert not any(isinstance(e, GroupClosed) for e in admitter.events)
-            finally:
-                client.close()
+        async with one_group(num_streams) as (transport, admitter, client):
+            with anyio.fail_after(WAIT_S * 2):
+                producer = await send_streamed(transport)
+                await anyio.to_thread.run_sync(produce, client, producer)
+            (bcast,) = decode_all(client)
+            assert isinstance(bcast, BcastFragment) and bcast.version == 7
+            assert bytes(bcast.data) == producer.final.tobytes()
+            assert not any(client.eof())
+            assert not any(isinstance(e, GroupClosed) for e in admitter.events)
 
     run(scenario)
 
@@ -532,34 +545,27 @@ def test_tcp_frames_after_a_streamed_bcast_wait_for_it(num_streams: int) -> None
         producer.advance(PAYLOAD)
 
     async def scenario() -> None:
-        async with tcp_syncer() as (transport, admitter):
-            client = await connect(transport, admitter, 0, num_streams)
-            try:
-                with anyio.fail_after(WAIT_S * 2):
-                    producer = Producer()
-                    await transport.send(KEY, producer.message, producer.progress)
-                    # Plain: behind the BCAST on socket 0; striped: on socket 0, free to go.
-                    await transport.send(KEY, pull)
-                    if num_streams:
-                        second = BcastFragment(0, 8, final_payload().data)
-                        await transport.send(KEY, second)  # behind the streamed CHUNKs
-                    await anyio.to_thread.run_sync(produce, client, producer)
-                    expected = 3 if num_streams else 2
-                    await anyio.to_thread.run_sync(
-                        wait_until, lambda: len(decode_all(client)) == expected, "every message"
-                    )
-                received = decode_all(client)
-                bcasts = {
-                    m.version: bytes(m.data) for m in received if isinstance(m, BcastFragment)
-                }
-                assert bcasts[7] == producer.final.tobytes()
-                assert pull in received
+        async with one_group(num_streams) as (transport, _, client):
+            with anyio.fail_after(WAIT_S * 2):
+                producer = await send_streamed(transport)
+                # Plain: behind the BCAST on socket 0; striped: on socket 0, free to go.
+                await transport.send(KEY, pull)
                 if num_streams:
-                    assert bcasts[8] == producer.final.tobytes()
-                else:  # one socket, in order
-                    assert [type(m) for m in received] == [BcastFragment, PullReq]
-            finally:
-                client.close()
+                    second = BcastFragment(0, 8, final_payload().data)
+                    await transport.send(KEY, second)  # behind the streamed CHUNKs
+                await anyio.to_thread.run_sync(produce, client, producer)
+                expected = 3 if num_streams else 2
+                await anyio.to_thread.run_sync(
+                    wait_until, lambda: len(decode_all(client)) == expected, "every message"
+                )
+            received = decode_all(client)
+            bcasts = {m.version: bytes(m.data) for m in received if isinstance(m, BcastFragment)}
+            assert bcasts[7] == producer.final.tobytes()
+            assert pull in received
+            if num_streams:
+                assert bcasts[8] == producer.final.tobytes()
+            else:  # one socket, in order
+                assert [type(m) for m in received] == [BcastFragment, PullReq]
 
     run(scenario)
 
@@ -578,8 +584,7 @@ def test_tcp_withdrawn_bcast_cuts_its_group_and_others_carry_on(num_streams: int
             other = await connect(transport, admitter, 1, 0)
             try:
                 with anyio.fail_after(WAIT_S * 2):
-                    producer = Producer()
-                    await transport.send(KEY, producer.message, producer.progress)
+                    producer = await send_streamed(transport)
                     await anyio.to_thread.run_sync(produce, client, producer)
                     closed = await admitter.wait_for(lambda e: isinstance(e, GroupClosed))
                     assert isinstance(closed, GroupClosed) and closed.group == KEY
@@ -636,22 +641,18 @@ def test_tcp_a_finish_racing_the_writer_is_not_lost() -> None:
         wait_until(lambda: bool(decode_all(client)), "the whole BCAST", timeout=1.0)
 
     async def scenario() -> None:
-        async with tcp_syncer() as (transport, admitter):
-            client = await connect(transport, admitter, 0, 0)
-            try:
-                producer = Producer()
-                producer.progress = FinishesBehindTheWritersBack(PAYLOAD)
-                producer.buffer[:] = producer.final  # every byte is written by the finish
-                producer.progress.advance(1000)  # one sendmsg takes it all
-                message = BcastFragment(0, 7, producer.buffer.data)
-                with anyio.fail_after(WAIT_S):
-                    await transport.send(KEY, message, producer.progress)
-                    await anyio.to_thread.run_sync(produce, client, producer)
-                (bcast,) = decode_all(client)
-                assert isinstance(bcast, BcastFragment)
-                assert bytes(bcast.data) == producer.final.tobytes()
-            finally:
-                client.close()
+        async with one_group(0) as (transport, _, client):
+            producer = Producer()
+            producer.progress = FinishesBehindTheWritersBack(PAYLOAD)
+            producer.buffer[:] = producer.final  # every byte is written by the finish
+            producer.progress.advance(1000)  # one sendmsg takes it all
+            message = BcastFragment(0, 7, producer.buffer.data)
+            with anyio.fail_after(WAIT_S):
+                await transport.send(KEY, message, producer.progress)
+                await anyio.to_thread.run_sync(produce, client, producer)
+            (bcast,) = decode_all(client)
+            assert isinstance(bcast, BcastFragment)
+            assert bytes(bcast.data) == producer.final.tobytes()
 
     run(scenario)
 
