@@ -318,21 +318,23 @@ class ConnectionGroups:
     def receive_direct(self, conn: ConnId, count: int, now: float) -> list[WireCommand]:
         """``count`` bytes were read in place, into :meth:`next_read`'s view (``count`` > 0)."""
         sock = self._sockets.get(conn)
-        if sock is not None:
-            decoder = sock.decoder
+        if sock is None:
+            return self._take_wire()
+        decoder, scan = sock.decoder, self._scan_of(sock)
+        if scan is None:
+            decoder.wrote(count)
+        else:  # the f32 check takes the bytes that just landed while they are in cache
             # Asked before wrote(), which hands a finished frame on and forgets it.
             placed = decoder.placed_chunk()
             in_place = None if placed is not None else decoder.frame_in_place()
             decoder.wrote(count)
-            # The f32 check takes the bytes that just landed while they are in cache.
-            scan = self._scan_of(sock)
-            if scan is not None and placed is not None:
+            if placed is not None:
                 chunk, filled = placed
                 scan.chunk_progress(chunk, filled + count)
-            elif scan is not None and in_place is not None:
+            elif in_place is not None:
                 frame_type, payload, filled = in_place
                 scan.frame_progress(frame_type, payload, filled + count)
-            self._drain(sock, now)
+        self._drain(sock, now)
         return self._take_wire()
 
     def _scan_of(self, sock: _Socket) -> FiniteScan | None:
