@@ -102,6 +102,7 @@ from yeto_proto import (  # noqa: E402
     encode_tensor,
     tensor_nbytes,
 )
+from yeto_proto.buffers import buffer_address  # noqa: E402
 from yeto_proto.constants import Q4_BLOCK_VALUES, STRIPED_TYPES  # noqa: E402
 from yeto_proto.dtypes import _q4_encode_blocks, _Q4EncodeScratch  # noqa: E402
 
@@ -158,11 +159,6 @@ class TokenBucket:
         self.stamp = now
 
 
-def _address(view: memoryview) -> int:
-    """Where the first byte of a (non-empty) byte view lives."""
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-
-
 class StreamedPayload:
     """A PUSH payload encoded lazily, range by range, just ahead of the socket layer.
 
@@ -199,7 +195,7 @@ class StreamedPayload:
         self.step_values = step_values
         #: Bytes of one encode step.
         self.step_bytes = self._nbytes(step_values)
-        self._base = _address(self.data) if self.out.size else 0
+        self._base = buffer_address(self.data) if self.out.size else 0
         self._q4_scratch = (
             _Q4EncodeScratch(step_values // Q4_BLOCK_VALUES) if dtype is WireDtype.Q4 else None
         )
@@ -222,7 +218,7 @@ class StreamedPayload:
         """Encode far enough that ``piece`` (any byte view about to be sent) is valid."""
         if self.done or not len(piece):
             return
-        offset = _address(piece) - self._base
+        offset = buffer_address(piece) - self._base
         if not 0 <= offset < self.out.size:
             return  # not payload bytes (a header, a CHUNK envelope)
         end = offset + len(piece)

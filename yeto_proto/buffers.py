@@ -86,6 +86,11 @@ class BufferPool:
         return sum(b.nbytes for b in self._tracked)
 
 
+def buffer_address(view: memoryview) -> int:
+    """Where a byte view's first byte lives: tells a view of a known buffer from a copy."""
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
+
+
 def _aligned_view(buffer: NDArray[np.uint8], size: int, align_at: int) -> memoryview:
     """``size`` bytes of ``buffer`` (``size + ALIGNMENT - 1`` long at least) whose byte
     ``align_at`` starts on an :data:`ALIGNMENT` boundary."""

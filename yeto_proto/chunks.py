@@ -12,9 +12,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from .buffers import BufferPool
+from .buffers import BufferPool, buffer_address
 from .constants import (
     CHUNK_ENVELOPE_SIZE,
     CHUNK_SLICE_SIZE,
@@ -32,11 +30,6 @@ from .frames import Buffers, decode_payload, header
 from .limits import Limits
 from .messages import AnyMessage, Chunk, as_byte_view
 from .schema import CHUNK_PREFIX, HEADER_STRUCT, PREFIX_STRUCTS
-
-
-def _address(view: memoryview) -> int:
-    """Where a byte view's first byte lives (to recognise data already in place)."""
-    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
 
 
 def _views(buffers: Sequence[bytes | memoryview], start: int, stop: int) -> list[memoryview]:
@@ -107,7 +100,7 @@ class _Partial:
         self.total_len = total_len
         # Uninitialized: a message completes only once every byte has been written.
         self.buffer = buffers.take(total_len, align_at=_TENSOR_AT[receiver])
-        self.address = _address(self.buffer)
+        self.address = buffer_address(self.buffer)
         self.spans: list[tuple[int, int]] = []  # sorted, disjoint, not touching [start, end)
         self.filled = 0
         #: Offsets handed out by chunk_target whose CHUNK has not come back through add().
@@ -198,7 +191,7 @@ class Reassembler:
             and chunk.offset in partial.placed
             and chunk.total_len == partial.total_len
             and size
-            and _address(chunk.data) == partial.address + chunk.offset
+            and buffer_address(chunk.data) == partial.address + chunk.offset
         ):
             partial.placed.remove(chunk.offset)
         else:

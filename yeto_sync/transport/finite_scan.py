@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from yeto_proto import AnyMessage, Chunk, InitParams, PushFragment
+from yeto_proto.buffers import buffer_address
 from yeto_proto.constants import HEADER_SIZE, FrameType
 from yeto_proto.dtypes import all_finite
 from yeto_proto.schema import PREFIX_STRUCTS
@@ -105,7 +106,7 @@ class FiniteScan:
             return None
         assert frame.scan.tensor_start is not None
         tensor_at = frame.scan.tensor_start - HEADER_SIZE
-        if _address(message.data) != _address(frame.part.data) + tensor_at:
+        if buffer_address(message.data) != buffer_address(frame.part.data) + tensor_at:
             return None  # not the payload that was followed
         # The payload's last bytes (under the decoder's bulk size) came through a copy.
         self._check(frame.scan, frame.part, len(frame.part.data), whole=True)
@@ -196,10 +197,6 @@ class FiniteScan:
         )
         if not all_finite(values):
             scan.finite = False
-
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else -1
 
 
 def _tensor_start(type_byte: int) -> int | None:
