@@ -9,8 +9,8 @@ Targets: q4 encode >= 500 M values/s, q4 decode >= 1,100 M values/s, bf16 encode
 Every operation writes into buffers allocated once, as a long-lived syncer would; the "fresh"
 rows show the cost of a new 256 MiB output (page faults) for comparison. Baseline and
 candidates run interleaved; a row reports the best of its repetitions (other jobs on the
-machine only ever add time) and, for reference, the median. OPENBLAS_CORETYPE does not matter
-here: nothing below calls BLAS.
+machine only ever add time) and, for reference, the median. Only the finite screen calls BLAS
+(a dot product); everything else is elementwise numpy.
 
     .venv/bin/python benchmarks/bench_codecs.py            # full run, writes RESULTS.md section
     .venv/bin/python benchmarks/bench_codecs.py --quick    # 4 Mi values, prints only
@@ -41,6 +41,8 @@ from yeto_proto.constants import WireDtype  # noqa: E402
 
 HEADING = "## Codecs (bench_codecs.py)"
 MI = 1 << 20
+#: One read's worth of values as the syncer's check sees them (1 MiB: fits this CPU's L2).
+CACHED_BLOCK_VALUES = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,25 @@ class Bench:
         return [baseline] + [Row(**{**row.__dict__, "baseline_gbs": base}) for row in self.rows]
 
 
+def finite_screen_rows(bench: Bench) -> None:
+    """The NaN/inf screen as the syncer runs it: on a block that just landed, still in cache."""
+    block = bench.x[:CACHED_BLOCK_VALUES]
+    calls = bench.numel // CACHED_BLOCK_VALUES
+
+    def screen_each(screen: Callable[[np.ndarray], object]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(calls):
+                screen(block)
+
+        return run
+
+    size = f"{CACHED_BLOCK_VALUES * 4 / MI:g} MiB block in cache, {calls:,} times"
+    bench.measure(f"finite screen `proven_finite` (dot), {size}", screen_each(dtypes.proven_finite))
+    bench.measure(
+        f"finite screen `np.add.reduce` (for comparison), {size}", screen_each(np.add.reduce)
+    )
+
+
 def push_frame_rows(bench: Bench) -> str | None:
     """PUSH frames through yeto_proto.encode and FrameDecoder; None when that layer is missing."""
     try:
@@ -236,6 +257,7 @@ def run(numel: int, repeats: int) -> tuple[list[Row], list[str]]:
     bench.measure("bf16 decode", lambda: dtypes.bf16_to_f32(bf16_out, out=f32_out))
     bench.measure("bf16 decode, fresh output array", lambda: dtypes.bf16_to_f32(bf16_out))
     bench.measure("all_finite", lambda: dtypes.all_finite(x))
+    finite_screen_rows(bench)
     bench.measure("numpy copy, fresh output array (x.copy())", x.copy)
     skipped = push_frame_rows(bench)
     if skipped:
@@ -267,8 +289,9 @@ def table(rows: list[Row], numel: int, repeats: int, notes: list[str]) -> str:
         'state); the "fresh output array" rows add the first touch of a new array. The PUSH '
         "rows time `encode_tensor` → `PushFragment` → `encode` → `FrameDecoder.feed` (the one "
         "copy, into the decoder's pooled frame buffer) → `next_frame` → `decode_tensor` (a view "
-        "for f32; into a reused array for q4). OPENBLAS_CORETYPE is irrelevant "
-        "here: these are elementwise numpy ops, no BLAS.",
+        "for f32; into a reused array for q4). The finite screen rows check one cached 1 MiB "
+        "block over and over, as the syncer checks each read that just landed; only they call "
+        "BLAS (`proven_finite` is a dot product).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -24,6 +24,7 @@ from yeto_proto.dtypes import (
     decode_tensor,
     encode_tensor,
     f32_to_bf16,
+    proven_finite,
     q4_decode,
     q4_encode,
     q4_nbytes,
@@ -547,3 +548,42 @@ def test_all_finite_is_not_fooled_by_a_sum_that_overflows() -> None:
     assert all_finite(huge)
     huge[-1] = math.inf
     assert not all_finite(huge)
+
+
+def test_all_finite_is_not_fooled_by_squares_that_overflow() -> None:
+    # 1e20² overflows f32: the screen cannot prove this block finite, the exact check can.
+    large = np.full(1000, 1e20, np.float32)
+    assert not proven_finite(large)
+    assert all_finite(large)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_proven_finite_never_passes_a_nan_or_an_infinity(dtype: type, bad: float) -> None:
+    # Every position of a block longer than any SIMD width, the vector tail included.
+    block = np.full(77, -0.5, dtype)
+    assert proven_finite(block)
+    for where in range(block.size):
+        spoiled = block.copy()
+        spoiled[where] = bad
+        assert not proven_finite(spoiled)
+
+
+def test_proven_finite_of_nothing() -> None:
+    assert proven_finite(np.empty(0, np.float32))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    hnp.arrays(
+        np.float32,
+        st.integers(0, 600),
+        elements=st.floats(width=32, allow_nan=True, allow_infinity=True),
+    )
+)
+def test_proven_finite_implies_every_value_finite(values: NDArray[np.float32]) -> None:
+    if proven_finite(values):
+        assert np.isfinite(values).all()
+    # Values a trained model produces are far below the overflow of their squares.
+    if np.isfinite(values).all() and np.abs(values).max(initial=0.0) < 1e17:
+        assert proven_finite(values)

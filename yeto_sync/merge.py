@@ -40,7 +40,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from yeto_proto.constants import IsoBackend, MergeMode
-from yeto_proto.dtypes import f32_to_bf16
+from yeto_proto.dtypes import f32_to_bf16, proven_finite
 from yeto_proto.identity import DeltaCorrection, LearnerWeight
 from yeto_proto.layout import WireFragment
 from yeto_proto.wire_tensor import WireTensor
@@ -642,12 +642,6 @@ def nesterov_step(
     return new_params, new_momentum
 
 
-def _finite_sum(block: F32Array) -> bool:
-    # A NaN or an infinity makes the sum non-finite, so a finite sum proves every element
-    # finite with one reduction; a non-finite sum may also be an overflow (checked exactly).
-    return math.isfinite(float(np.add.reduce(block)))
-
-
 def _outer_step(step: _StepPass, on_progress: Progress | None = None) -> float:
     """The f32 Nesterov step in one blocked pass, Δ either given or summed block by block.
 
@@ -770,8 +764,8 @@ class _StepPass:
             np.multiply(theta, self.lr32, out=theta)
             np.subtract(self.params[start:stop], theta, out=theta)
             # θ' = θ − lr·(μ·buf' + Δ) is non-finite whenever buf' or Δ is (0·inf is NaN
-            # too), so one sum covers all three arrays; the exact checks say which failed.
-            if not _finite_sum(theta):
+            # too), so one screen covers all three arrays; the exact checks say which failed.
+            if not proven_finite(theta):
                 if not _all_finite(d):
                     raise MergeError("merged outer gradient is not finite; commit refused")
                 if not (_all_finite(buf) and _all_finite(theta)):
