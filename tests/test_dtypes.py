@@ -540,18 +540,15 @@ def test_all_finite() -> None:
     assert not all_finite(np.array([[1.0, math.nan]]))
 
 
-def test_all_finite_is_not_fooled_by_a_sum_that_overflows() -> None:
-    # Every value is finite but their f32 sum is not: the fast path must fall back to the
-    # exact check rather than report a NaN or infinity that is not there.
+def test_all_finite_is_not_fooled_when_its_fast_screen_overflows() -> None:
+    # Every value is finite but the screen's f32 reduction is not (huge values in several
+    # blocks; 1e20, whose square alone overflows): all_finite must fall back to the exact
+    # check rather than report a NaN or infinity that is not there.
     huge = np.full(dtypes._BLOCK_VALUES + 3, 3e38, np.float32)
     huge[1::2] = 2e38
     assert all_finite(huge)
     huge[-1] = math.inf
     assert not all_finite(huge)
-
-
-def test_all_finite_is_not_fooled_by_squares_that_overflow() -> None:
-    # 1e20² overflows f32: the screen cannot prove this block finite, the exact check can.
     large = np.full(1000, 1e20, np.float32)
     assert not proven_finite(large)
     assert all_finite(large)
