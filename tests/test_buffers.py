@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from yeto_proto import BcastFragment, FrameDecoder, Limits, MergeMode, Role, WireDtype, encode_bytes
+from yeto_proto import buffers as buffers_module
 from yeto_proto.buffers import BufferPool
 from yeto_proto.constants import ALLOCATION_CEILING
 from yeto_proto.layout import WireFragment, WireLayout
@@ -49,6 +50,60 @@ def test_idle_memory_is_bounded() -> None:
     for size in (1000, 2000, 4000, 8000):
         pool.take(size)  # each released at once
     assert pool.tracked_bytes <= 3000 + 8000
+
+
+class _CountingNumpy:
+    """numpy as the pool sees it, counting the buffers it allocates."""
+
+    def __init__(self) -> None:
+        self.allocations = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(np, name)
+
+    def empty(self, *args: object, **kwargs: object) -> object:
+        self.allocations += 1
+        return np.empty(*args, **kwargs)  # type: ignore[call-overload]
+
+
+@pytest.fixture
+def allocations(monkeypatch: pytest.MonkeyPatch) -> _CountingNumpy:
+    counting = _CountingNumpy()
+    monkeypatch.setattr(buffers_module, "np", counting)
+    return counting
+
+
+def test_buffers_that_were_in_use_together_are_all_kept_for_the_next_overlap(
+    allocations: _CountingNumpy,
+) -> None:
+    # Two frames in flight at once (a BCAST while the last one's CHUNKs finish): both buffers
+    # stay pooled beyond max_idle_bytes, so the next overlap takes no fresh memory.
+    pool = BufferPool(max_idle_bytes=1000, min_size=1)
+    for _ in range(3):
+        first = pool.take(3000)
+        second = pool.take(3000)
+        del first, second
+    assert allocations.allocations == 2
+    assert pool.tracked_bytes == 2 * (3000 + 63)
+
+
+def test_a_pool_without_keep_overlap_holds_to_its_idle_bound(allocations: _CountingNumpy) -> None:
+    pool = BufferPool(max_idle_bytes=1000, min_size=1, keep_overlap=False)
+    for _ in range(3):
+        first = pool.take(3000)
+        second = pool.take(3000)
+        del first, second
+    assert allocations.allocations == 4  # the second of each pair after the first is fresh
+
+
+def test_a_buffer_used_alone_is_not_kept_beyond_the_idle_bound(
+    allocations: _CountingNumpy,
+) -> None:
+    pool = BufferPool(max_idle_bytes=1000, min_size=1)
+    pool.take(3000)  # released at once: never two in use
+    pool.take(5000)  # no fit: fresh, and the idle 3000-byte one is let go
+    assert allocations.allocations == 2
+    assert pool.tracked_bytes == 5000 + 63
 
 
 def test_a_small_buffer_between_two_big_ones_does_not_evict_the_idle_big_one() -> None:

@@ -31,17 +31,30 @@ class BufferPool:
     """Hands out uninitialized byte buffers, reusing idle ones of a fitting size.
 
     ``max_tracked`` bounds how many buffers the pool watches; ``max_idle_bytes`` bounds how much
-    idle memory it keeps for reuse (idle buffers beyond it are let go); requests below
+    idle memory it keeps for reuse (idle buffers beyond it are let go). With ``keep_overlap``,
+    a pool that once had more than that in use while it handed out another buffer keeps up to
+    that much instead: frames that overlap (a BCAST on one socket while the last one's CHUNKs
+    finish on another, pushes of two fragments in flight) need that many buffers every time,
+    and a buffer let go is one the next overlap takes from fresh memory, zeroed page by page
+    inside ``recv_into``. The process held that memory at its peak anyway. Requests below
     ``min_size`` bytes are plain allocations.
     """
 
     def __init__(
-        self, max_tracked: int = 8, max_idle_bytes: int = 64 << 20, min_size: int = SMALL_BUFFER
+        self,
+        max_tracked: int = 8,
+        max_idle_bytes: int = 64 << 20,
+        min_size: int = SMALL_BUFFER,
+        *,
+        keep_overlap: bool = True,
     ) -> None:
         self.max_tracked = max_tracked
         self.min_size = min_size
         self.max_idle_bytes = max_idle_bytes
+        self.keep_overlap = keep_overlap
         self._tracked: list[NDArray[np.uint8]] = []
+        #: The most bytes in use while another buffer was asked for.
+        self._peak_busy_bytes = 0
 
     def take(self, size: int, *, align_at: int = 0) -> memoryview:
         """A writable view of ``size`` uninitialized bytes.
@@ -62,16 +75,21 @@ class BufferPool:
         padded = size + ALIGNMENT - 1
         if not _CAN_COUNT:
             return _aligned_view(np.empty(padded, dtype=np.uint8), size, align_at)
+        busy = [sys.getrefcount(b) > _IDLE_REFERENCES + 1 for b in self._tracked]  # +1: b
+        busy_bytes = sum(b.nbytes for b, in_use in zip(self._tracked, busy, strict=True) if in_use)
+        if self.keep_overlap:
+            self._peak_busy_bytes = max(self._peak_busy_bytes, busy_bytes)
+        max_idle = max(self.max_idle_bytes, self._peak_busy_bytes)
         reuse: NDArray[np.uint8] | None = None
         idle_bytes = 0
         keep: list[NDArray[np.uint8]] = []
-        for buffer in self._tracked:
-            if sys.getrefcount(buffer) > _IDLE_REFERENCES + 1:  # +1: the loop variable
+        for buffer, in_use in zip(self._tracked, busy, strict=True):
+            if in_use:
                 keep.append(buffer)
             elif reuse is None and padded <= buffer.nbytes <= 2 * size:
                 reuse = buffer
                 keep.append(buffer)
-            elif idle_bytes + buffer.nbytes <= self.max_idle_bytes:
+            elif idle_bytes + buffer.nbytes <= max_idle:
                 idle_bytes += buffer.nbytes
                 keep.append(buffer)
         if reuse is None:

@@ -39,6 +39,7 @@ class ArrayPool:
         self._bytes = BufferPool(
             max_tracked=2 * len(layout.fragments) + 2 * spare,
             max_idle_bytes=spare * largest * _F32_BYTES,
+            keep_overlap=False,  # the bound above already covers a round's overlap
         )
 
     def take(self, numel: int) -> F32Array:
