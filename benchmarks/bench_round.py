@@ -105,6 +105,7 @@ from yeto_proto import (  # noqa: E402
 from yeto_proto.buffers import buffer_address  # noqa: E402
 from yeto_proto.constants import Q4_BLOCK_VALUES, STRIPED_TYPES  # noqa: E402
 from yeto_proto.dtypes import _q4_encode_blocks, _Q4EncodeScratch  # noqa: E402
+from yeto_sync.transport.receive_watermark import ReceiveWatermark  # noqa: E402
 
 F32Array = NDArray[np.float32]
 MIB = 1 << 20
@@ -385,6 +386,7 @@ class BenchLearner:
         )
         self.sockets: list[socket.socket] = []
         self.decoders: dict[socket.socket, FrameDecoder] = {}
+        self.watermarks: dict[socket.socket, ReceiveWatermark] = {}
         self.reassembler = Reassembler(Role.LEARNER, self.limits)
         self.slicer = ChunkSlicer(plan.num_streams) if plan.num_streams else None
         self.selector = selectors.DefaultSelector()
@@ -422,6 +424,7 @@ class BenchLearner:
         self.decoders[sock] = FrameDecoder(
             Role.LEARNER, limits=self.limits, chunk_sink=self.reassembler
         )
+        self.watermarks[sock] = ReceiveWatermark(sock)
         self.selector.register(sock, selectors.EVENT_READ)
         self.open_sockets += 1
         return sock
@@ -475,6 +478,11 @@ class BenchLearner:
                     self.inbox.append(inner)
             else:
                 self.inbox.append(frame)
+        if size and self.link.down is None:
+            # The next select waits for what the next read is sure to get, as the yeto_learn
+            # client's reader does (an emulated link keeps its own 64 KiB pace instead).
+            into, direct = decoder.next_read(self.view)
+            self.watermarks[sock].before_wait(len(into), direct)
 
     # -- protocol ----------------------------------------------------------------------------
     def run(self, timeout: float = TIMEOUT_S) -> LearnerReport:

@@ -89,21 +89,26 @@ from yeto_sync.events import (  # noqa: E402
 )
 from yeto_sync.transport import MonotonicClock  # noqa: E402
 from yeto_sync.transport.group import ConnectionGroups  # noqa: E402
+from yeto_sync.transport.receive_watermark import READ_WATERMARK_CAP  # noqa: E402
 from yeto_sync.transport.tcp import TcpTransport  # noqa: E402
 
 PIECE = 4 << 20
 TARGET_RECEIVE_RATIO = 0.6
 #: Messages delivered before a yeto receive path's timing starts (its buffer pools fill up).
 WARMUP_MESSAGES = 2
+#: Rows that read with the socket's receive low-water mark left at one byte.
+NO_WATERMARK = "read watermark off"
 
 
 @dataclass(frozen=True)
 class Timed:
-    """``nbytes`` of tensor data moved in ``seconds``; ``cold_seconds``: the warm-up messages."""
+    """``nbytes`` of tensor data moved in ``seconds``; ``cold_seconds``: the warm-up messages;
+    ``cpu_seconds``: the receiving process's CPU time over the timed span (receive rows)."""
 
     seconds: float
     nbytes: int
     cold_seconds: float | None = None
+    cpu_seconds: float | None = None
 
 
 class Deliveries:
@@ -114,6 +119,7 @@ class Deliveries:
         self.message_bytes = message_bytes
         self.started = 0.0
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
 
     def start(self) -> None:
         self.started = time.perf_counter()
@@ -121,6 +127,7 @@ class Deliveries:
     def delivered(self) -> bool:
         """Record one delivery; True once it was the last message."""
         self.times.append(time.perf_counter())
+        self.cpu_times.append(time.process_time())
         return len(self.times) == self.messages
 
     def timed(self) -> Timed:
@@ -129,6 +136,7 @@ class Deliveries:
             self.times[-1] - warm,
             (self.messages - WARMUP_MESSAGES) * self.message_bytes,
             warm - self.started,
+            self.cpu_times[-1] - self.cpu_times[WARMUP_MESSAGES - 1],
         )
 
 
@@ -254,15 +262,15 @@ def baseline_receive(total: int) -> Timed:
         sock, _ = server.accept()
         with sock:
             buffer = bytearray(PIECE)
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             sock.sendall(b"g")
             received = 0
             while received < total:
                 received += sock.recv_into(buffer)
-            elapsed = time.perf_counter() - started
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
             sock.sendall(b"d")
     child.wait(60)
-    return Timed(elapsed, total)
+    return Timed(elapsed, total, cpu_seconds=cpu)
 
 
 class Receiver:
@@ -304,11 +312,15 @@ class Sender:
         return []
 
 
-async def run_transport(coordinator: Receiver | Sender, child_args: list[object]) -> str:
+async def run_transport(
+    coordinator: Receiver | Sender, child_args: list[object], watermark: int = READ_WATERMARK_CAP
+) -> str:
     """Serve one session to a child process; return what the child printed."""
     clock = MonotonicClock()
     groups = ConnectionGroups(1)
-    async with TcpTransport.serve(groups, clock, "127.0.0.1", 0) as transport:
+    async with TcpTransport.serve(
+        groups, clock, "127.0.0.1", 0, read_watermark=watermark
+    ) as transport:
         child = spawn(*child_args[:1], transport.address[1], *child_args[1:])
         driver = Driver(
             coordinator, transport, clock, log=KeyValueLog(min_level="error"), shutdown_grace=120.0
@@ -318,9 +330,11 @@ async def run_transport(coordinator: Receiver | Sender, child_args: list[object]
     return output
 
 
-def transport_receive(numel: int, messages: int, streams: int) -> Timed:
+def transport_receive(
+    numel: int, messages: int, streams: int, watermark: int = READ_WATERMARK_CAP
+) -> Timed:
     coordinator = Receiver(messages, numel * 4)
-    anyio.run(run_transport, coordinator, ["learner-push", numel, messages, streams])
+    anyio.run(run_transport, coordinator, ["learner-push", numel, messages, streams], watermark)
     return coordinator.deliveries.timed()
 
 
@@ -350,7 +364,9 @@ def decoder_alone(numel: int, messages: int, streams: int) -> Timed:
     return deliveries.timed()
 
 
-def learner_receive(numel: int, messages: int, streams: int) -> Timed:
+def learner_receive(
+    numel: int, messages: int, streams: int, watermark: int = READ_WATERMARK_CAP
+) -> Timed:
     """The learner client's ConnectionGroup receiving ``messages`` BCASTs from a subprocess."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         child = spawn("syncer-bcast", server.getsockname()[1], numel, messages, streams)
@@ -375,6 +391,7 @@ def learner_receive(numel: int, messages: int, streams: int) -> Timed:
             deliver=deliver,
             counters=Counters(),
             recv_buffer=bytearray(RECV_BUFFER_SIZE),
+            read_watermark=watermark,
         )
         deliveries.start()
         ordered[0].sendall(b"g")
@@ -442,6 +459,9 @@ def main() -> None:
         "receive: blocking socket, recv_into 4 MiB (baseline)": lambda: baseline_receive(total),
         "receive: yeto-sync PUSH, S=0": lambda: transport_receive(numel, args.messages, 0),
         "receive: yeto-sync PUSH, S=3": lambda: transport_receive(numel, args.messages, 3),
+        f"receive: yeto-sync PUSH, S=3, {NO_WATERMARK}": lambda: transport_receive(
+            numel, args.messages, 3, watermark=1
+        ),
         "receive: yeto_proto decoder alone, no sockets, S=0": lambda: decoder_alone(
             numel, args.messages, 0
         ),
@@ -450,6 +470,9 @@ def main() -> None:
         ),
         "receive: yeto_learn client BCAST, S=0": lambda: learner_receive(numel, args.messages, 0),
         "receive: yeto_learn client BCAST, S=3": lambda: learner_receive(numel, args.messages, 3),
+        f"receive: yeto_learn client BCAST, S=3, {NO_WATERMARK}": lambda: learner_receive(
+            numel, args.messages, 3, watermark=1
+        ),
         "send: blocking socket, sendall 4 MiB (baseline)": lambda: baseline_send(total),
         "send: yeto-sync BCAST, S=0": lambda: transport_send(numel, args.messages, 0),
         "send: yeto-sync BCAST, S=3": lambda: transport_send(numel, args.messages, 3),
@@ -464,21 +487,30 @@ def main() -> None:
         f"yeto receive rows from the end of message {WARMUP_MESSAGES} on; "
         f"load average {os.getloadavg()[0]:.2f}\n"
     )
-    print("| case | median GB/s | best GB/s | × baseline (median) | target | result |")
-    print("|---|---:|---:|---:|---|---|")
+    print(
+        "| case | median GB/s | best GB/s | × baseline (median) | receiver CPU ms per GB "
+        "| target | result |"
+    )
+    print("|---|---:|---:|---:|---:|---|---|")
     baselines: dict[str, float] = {}
     warmup_bytes = WARMUP_MESSAGES * numel * 4
     for name, timings in runs.items():
-        rows = [(name, [t.nbytes / t.seconds / 1e9 for t in timings])]
+        cpu = [t.cpu_seconds / t.nbytes * 1e12 for t in timings if t.cpu_seconds is not None]
+        rows = [(name, [t.nbytes / t.seconds / 1e9 for t in timings], cpu)]
         cold = [warmup_bytes / t.cold_seconds / 1e9 for t in timings if t.cold_seconds is not None]
         if cold:
-            rows.append((f"{name}, its first {WARMUP_MESSAGES} messages (fresh buffers)", cold))
-        for label, rates in rows:
-            print(table_row(label, rates, baselines))
+            rows.append((f"{name}, its first {WARMUP_MESSAGES} messages (fresh buffers)", cold, []))
+        for label, rates, cpu_per_gb in rows:
+            print(table_row(label, rates, cpu_per_gb, baselines))
 
 
-def table_row(name: str, rates: list[float], baselines: dict[str, float]) -> str:
-    """A case's row; a baseline row also records its median rate in ``baselines``."""
+def table_row(
+    name: str, rates: list[float], cpu_per_gb: list[float], baselines: dict[str, float]
+) -> str:
+    """A case's row; a baseline row also records its median rate in ``baselines``.
+
+    ``cpu_per_gb``: the receiving process's CPU milliseconds per GB, per repeat (median shown).
+    """
     direction = name.split(":")[0]
     median_rate, best_rate = statistics.median(rates), max(rates)
     if "baseline" in name:
@@ -490,7 +522,10 @@ def table_row(name: str, rates: list[float], baselines: dict[str, float]) -> str
         measured = "yeto-sync" in name and direction == "receive" and "fresh" not in name
         target = f"≥ {TARGET_RECEIVE_RATIO}x" if measured else ""
         result = ("PASS" if value >= TARGET_RECEIVE_RATIO else "FAIL") if target else "info"
-    return f"| {name} | {median_rate:.2f} | {best_rate:.2f} | {ratio} | {target} | {result} |"
+    cpu = f"{statistics.median(cpu_per_gb):.0f}" if cpu_per_gb else ""
+    return (
+        f"| {name} | {median_rate:.2f} | {best_rate:.2f} | {ratio} | {cpu} | {target} | {result} |"
+    )
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from yeto_proto import (
     WireDtype,
     WireFragment,
     WireLayout,
+    encode_bytes,
 )
 from yeto_sync.driver import Driver, KeyValueLog
 from yeto_sync.events import (
@@ -183,6 +184,77 @@ def test_striped_frames_cross_real_sockets_both_ways() -> None:
     np.testing.assert_array_equal(
         np.frombuffer(push.data, "<f4"), np.linspace(-1, 1, BIG, dtype="<f4")
     )
+
+
+def _push_bytes(scale: float) -> bytes:
+    delta = np.full(BIG, scale, dtype="<f4")
+    return encode_bytes(PushFragment(0, 0, 1, 1, 0, 4, 4, 400, delta.view(np.uint8).data))
+
+
+def test_a_push_that_trickles_in_is_read_whole() -> None:
+    # The syncer's reads of a payload wait for up to 1 MiB at a time (the socket's receive
+    # low-water mark); bytes that come in small, slow pieces must still all be read.
+    pushes: list[PushFragment] = []
+
+    def on_message(event: MessageReceived) -> list[Action]:
+        assert isinstance(event.message, PushFragment)
+        pushes.append(event.message)
+        return [Exit(0, "got the push")]
+
+    def learner(address: tuple[str, int]) -> None:
+        group = LearnerGroup(address, SPEC, learner_id=0, generation=1, num_streams=0)
+        group.connect()
+        try:
+            group.receive()  # the PULL
+            frame = memoryview(_push_bytes(0.5))
+            sizes = [61, 1000, 300_000, 5, 2_000_000, 1]
+            offset = 0
+            for size in [*sizes, len(frame) - sum(sizes)]:
+                group.sockets[0].sendall(frame[offset : offset + size])
+                offset += size
+                time.sleep(0.05)
+            drain_until_closed(group)
+        finally:
+            group.close()
+
+    coordinator = Stand_in(
+        on_ready=lambda key: [Send(key, PullReq(0, 1, 1))], on_message=on_message
+    )
+    exit_action, _ = run_and_return(serve(coordinator, learner))
+    assert exit_action == Exit(0, "got the push")
+    (push,) = pushes
+    assert np.all(np.frombuffer(push.data, "<f4") == 0.5)
+
+
+def test_a_peer_that_closes_inside_a_payload_is_noticed_at_once() -> None:
+    # The reader waits for the payload's bytes in large lumps, yet the peer's EOF still wakes it.
+    closed: list[tuple[GroupClosed, float]] = []
+    sent_at: list[float] = []
+
+    class Recorder(Stand_in):
+        def handle(self, event: Event, now: float) -> list[Action]:
+            if isinstance(event, GroupClosed):
+                closed.append((event, time.monotonic()))
+                return [Exit(0, "group closed")]
+            return super().handle(event, now)
+
+    def learner(address: tuple[str, int]) -> None:
+        group = LearnerGroup(address, SPEC, learner_id=0, generation=1, num_streams=0)
+        group.connect()
+        try:
+            group.receive()  # the PULL
+            group.sockets[0].sendall(_push_bytes(0.5)[:700_000])  # header + part of the payload
+            time.sleep(0.3)  # the syncer now waits inside the payload
+        finally:
+            sent_at.append(time.monotonic())
+            group.close()
+
+    coordinator = Recorder(on_ready=lambda key: [Send(key, PullReq(0, 1, 1))])
+    exit_action, _ = run_and_return(serve(coordinator, learner))
+    assert exit_action == Exit(0, "group closed")
+    ((event, seen_at),) = closed
+    assert event.group == KEY
+    assert seen_at - sent_at[0] < 2.0
 
 
 def test_error_reaches_the_peer_before_the_whole_group_closes() -> None:

@@ -43,6 +43,7 @@ from yeto_proto import (
 )
 from yeto_proto.constants import CHUNK_SLICE_SIZE, STRIPED_TYPES
 from yeto_proto.frames import Buffers, OutgoingBuffers
+from yeto_sync.transport.receive_watermark import READ_WATERMARK_CAP, ReceiveWatermark
 
 RECV_BUFFER_SIZE = 1 << 20
 _CONNECT_PENDING = (errno.EINPROGRESS, errno.EALREADY, errno.EAGAIN, errno.EWOULDBLOCK)
@@ -138,6 +139,7 @@ class ConnectionGroup:
         recv_buffer: bytearray,
         slice_size: int = CHUNK_SLICE_SIZE,
         stall_timeout: float = SEND_STALL_TIMEOUT_S,
+        read_watermark: int = READ_WATERMARK_CAP,
     ) -> None:
         self._reassembler = Reassembler(Role.LEARNER, limits)
         # CHUNK data is written straight into the reassembled message (no second copy).
@@ -153,6 +155,8 @@ class ConnectionGroup:
         self._counters = counters
         self._view = memoryview(recv_buffer)
         self._stall_timeout = stall_timeout
+        #: The most bytes a socket waits for before an in-place read (1: every segment).
+        self._read_watermark = read_watermark
         self._ended = anyio.Event()
         #: Set by the first clean close (or by the end): the group is going away.
         self._closing = anyio.Event()
@@ -251,11 +255,13 @@ class ConnectionGroup:
         # shares, whose bytes are fed (copied) before this task yields.
         sock, decoder, view = stream.sock, stream.decoder, self._view
         name = "stream 0" if stream.index == 0 else f"data stream {stream.index - 1}"
+        watermark = ReceiveWatermark(sock, self._read_watermark)
         while True:
             into, direct = decoder.next_read(view)
             try:
                 size = sock.recv_into(into)
             except (BlockingIOError, InterruptedError):
+                watermark.before_wait(len(into), direct)
                 await anyio.wait_readable(sock)
                 continue
             except OSError as exc:

@@ -48,6 +48,7 @@ from ..payload_progress import PayloadProgress, PayloadWithdrawn
 from . import Clock
 from .group import ConnectionGroups, Hangup, LogFn, Transmit, WireCommand, Writable
 from .link_pace import LinkPace
+from .receive_watermark import READ_WATERMARK_CAP, ReceiveWatermark
 
 #: The receive buffer all sockets share (a read never outlives the task step that made it).
 RECV_BUFFER_SIZE = 4 << 20
@@ -207,6 +208,7 @@ class TcpTransport:
         send_queue_bytes: int = SEND_QUEUE_BYTES,
         stall_timeout: float = SEND_STALL_TIMEOUT_S,
         linger: float = LINGER_S,
+        read_watermark: int = READ_WATERMARK_CAP,
     ) -> None:
         self.groups = groups
         self.clock = clock
@@ -221,6 +223,8 @@ class TcpTransport:
         self.send_queue_bytes = send_queue_bytes
         self.stall_timeout = stall_timeout
         self.linger = linger
+        #: The most bytes a socket waits for before an in-place read (1: every segment).
+        self.read_watermark = read_watermark
         self._peers: dict[ConnId, _Peer] = {}
         self._recv_view = memoryview(bytearray(RECV_BUFFER_SIZE))
         self._next_conn = 1
@@ -246,6 +250,7 @@ class TcpTransport:
         send_queue_bytes: int = SEND_QUEUE_BYTES,
         stall_timeout: float = SEND_STALL_TIMEOUT_S,
         linger: float = LINGER_S,
+        read_watermark: int = READ_WATERMARK_CAP,
     ) -> AsyncIterator[TcpTransport]:
         """Listen on ``host:port`` (0 = any free port) and accept until the block ends."""
         listener = _listening_socket(host, port)
@@ -259,6 +264,7 @@ class TcpTransport:
                 send_queue_bytes=send_queue_bytes,
                 stall_timeout=stall_timeout,
                 linger=linger,
+                read_watermark=read_watermark,
             )
             tg.start_soon(transport._accept_loop)
             try:
@@ -410,6 +416,7 @@ class TcpTransport:
         # before this task yields, so no other reader can overwrite it in between.
         view = self._recv_view
         sock, conn = peer.sock, peer.conn
+        watermark = ReceiveWatermark(sock, self.read_watermark)
         try:
             while True:
                 # Large payloads are read straight into their frame's buffer (no copy).
@@ -417,6 +424,7 @@ class TcpTransport:
                 try:
                     size = sock.recv_into(into)
                 except (BlockingIOError, InterruptedError):
+                    watermark.before_wait(len(into), direct)
                     await anyio.wait_readable(sock)
                     continue
                 except OSError as exc:
