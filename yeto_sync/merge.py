@@ -40,7 +40,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from yeto_proto.constants import IsoBackend, MergeMode
-from yeto_proto.dtypes import f32_to_bf16, proven_finite
+from yeto_proto.dtypes import all_finite, f32_to_bf16, proven_finite
 from yeto_proto.identity import DeltaCorrection, LearnerWeight
 from yeto_proto.layout import WireFragment
 from yeto_proto.wire_tensor import WireTensor
@@ -317,6 +317,7 @@ def _norm(a: NDArray[np.floating]) -> float:
 
 
 def _all_finite(a: NDArray[np.float32]) -> bool:
+    """The exact check, for a block whose screen (:func:`proven_finite`) already failed."""
     return bool(np.isfinite(a).all())
 
 
@@ -595,7 +596,7 @@ def _iso_into(
     """Replace each averaged tensor in ``outs`` by its flattened spectrum."""
     jobs = list(zip(outs, (r for r, _ in shapes), (c for _, c in shapes), strict=True))
     for out, rows, cols in jobs:
-        if not _all_finite(out):
+        if not all_finite(out):
             raise MergeError(f"iso input of a {rows}x{cols} tensor is not finite")
     if isinstance(solver, BatchIsoSolver):
         # One batch, so a pool can solve the fragment's tensors in parallel.
@@ -612,7 +613,7 @@ def _iso_into(
 def _take_flattened(out: F32Array, rows: int, cols: int, flattened: F32Array) -> None:
     if flattened.dtype != np.float32 or flattened.size != out.size:
         raise MergeError(f"iso solver returned {flattened.dtype} x {flattened.size}")
-    if not _all_finite(flattened):
+    if not all_finite(flattened):
         raise MergeError(f"iso solver returned non-finite values for a {rows}x{cols} tensor")
     np.copyto(out, flattened.reshape(out.shape))
 
