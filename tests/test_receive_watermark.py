@@ -105,13 +105,16 @@ def test_a_refusal_after_a_mark_was_set_puts_it_back_to_one_byte() -> None:
 
 
 @pytest.fixture
-def tcp_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+def waiting_pair() -> Iterator[tuple[socket.socket, socket.socket, ReceiveWatermark]]:
+    """A loopback connection whose receiver waits inside a payload: 50,000 bytes still due."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         sender = socket.create_connection(server.getsockname())
         receiver, _ = server.accept()
     with sender, receiver:
         receiver.setblocking(False)
-        yield sender, receiver
+        mark = ReceiveWatermark(receiver, cap=20_000)
+        mark.before_wait(50_000, direct=True)
+        yield sender, receiver, mark
 
 
 def _readable(sock: socket.socket, timeout: float = 0.2) -> bool:
@@ -120,11 +123,9 @@ def _readable(sock: socket.socket, timeout: float = 0.2) -> bool:
 
 @linux_only
 def test_a_real_socket_reports_readable_at_the_mark(
-    tcp_pair: tuple[socket.socket, socket.socket],
+    waiting_pair: tuple[socket.socket, socket.socket, ReceiveWatermark],
 ) -> None:
-    sender, receiver = tcp_pair
-    mark = ReceiveWatermark(receiver, cap=20_000)
-    mark.before_wait(50_000, direct=True)
+    sender, receiver, mark = waiting_pair
     assert receiver.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == mark.mark
     assert 1 < mark.mark <= 20_000
     sender.sendall(bytes(mark.mark - 1))
@@ -137,12 +138,10 @@ def test_a_real_socket_reports_readable_at_the_mark(
 
 @linux_only
 def test_a_real_socket_reports_eof_below_the_mark(
-    tcp_pair: tuple[socket.socket, socket.socket],
+    waiting_pair: tuple[socket.socket, socket.socket, ReceiveWatermark],
 ) -> None:
     # A peer that stops inside a payload and closes is noticed, not waited for.
-    sender, receiver = tcp_pair
-    mark = ReceiveWatermark(receiver, cap=20_000)
-    mark.before_wait(50_000, direct=True)
+    sender, receiver, _ = waiting_pair
     sender.sendall(b"partial")
     assert not _readable(receiver)
     sender.shutdown(socket.SHUT_WR)
