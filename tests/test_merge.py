@@ -8,6 +8,7 @@ floats for norms, directions and corrections, and numpy f32 *scalars* where the 
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -923,7 +924,7 @@ def test_the_step_reports_its_finished_prefix_growing_to_the_whole_fragment(
 ) -> None:
     import yeto_sync.merge as merge_module
 
-    monkeypatch.setattr(merge_module, "_STEP_THREADS", threads)
+    monkeypatch.setattr(merge_module, "_STREAMED_STEP_THREADS", threads)
     n = merge_module._THREADED_MIN + 4_321
     geometry = fragment(MergeMode.AVG, (1, n))
     grads = random_grads(51, 2, n, scale=1e-3)
@@ -960,13 +961,43 @@ def test_the_step_reports_its_finished_prefix_growing_to_the_whole_fragment(
         merge_round(geometry, rs, params, momentum, {}, NO_CORRECTION, new_params=into[1:])
 
 
+def test_a_step_a_broadcast_streams_behind_leaves_a_core_to_the_writers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    import yeto_sync.merge as merge_module
+
+    assert merge_module._STREAMED_STEP_THREADS == max(
+        1, min(merge_module._STEP_THREADS, (os.cpu_count() or 1) - 1)
+    )
+    monkeypatch.setattr(merge_module, "_STEP_THREADS", 3)
+    monkeypatch.setattr(merge_module, "_STREAMED_STEP_THREADS", 1)
+    n = merge_module._THREADED_MIN + 5
+    geometry = fragment(MergeMode.AVG, (1, n))
+    grads = random_grads(61, 2, n, scale=1e-3)
+    rs = [response(0, grads[0]), response(1, grads[1])]
+    params, momentum = random_grads(62, 2, n)
+    reporters: set[int] = set()
+    merge_round(
+        geometry,
+        rs,
+        params,
+        momentum,
+        {},
+        NO_CORRECTION,
+        on_progress=lambda count: reporters.add(threading.get_ident()),
+    )
+    assert reporters == {threading.get_ident()}  # one thread: the caller's own
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_failing_step_reports_the_first_failing_block_and_no_prefix_past_it(
     threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import yeto_sync.merge as merge_module
 
-    monkeypatch.setattr(merge_module, "_STEP_THREADS", threads)
+    monkeypatch.setattr(merge_module, "_STREAMED_STEP_THREADS", threads)
     block = merge_module._BLOCK
     n = merge_module._THREADED_MIN + 99
     geometry = fragment(MergeMode.AVG, (1, n))

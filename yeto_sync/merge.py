@@ -79,6 +79,12 @@ _BLOCK: Final = 1 << 18
 _SMALL: Final = 1 << 13
 #: Threads of the outer step's blocked pass (memory-bound: a few cores saturate the bus).
 _STEP_THREADS: Final = max(1, min(4, os.cpu_count() or 1))
+#: Threads of a pass that a broadcast streams behind (``on_progress``): one core fewer. There
+#: the slow link sets the pace and the socket writers feeding it are on the critical path; a
+#: writer that waits for a core leaves its link idle, and that time never comes back. Measured
+#: with a 1 Gbit/s emulated link on 2 cores (benchmarks/RESULTS.md): q4 rounds 348.5 against
+#: 353.2 ms, the single-threaded pass still finishing ~200 ms before the link does.
+_STREAMED_STEP_THREADS: Final = max(1, min(_STEP_THREADS, (os.cpu_count() or 1) - 1))
 #: Below this many values the outer step runs on the calling thread alone.
 _THREADED_MIN: Final = 1 << 21
 #: The scalar iso solver keeps its f64 work buffers for matrices up to this many elements.
@@ -659,7 +665,8 @@ def _outer_step(step: _StepPass, on_progress: Progress | None = None) -> float:
     blocks = -(-numel // _BLOCK)
     squares = [0.0] * blocks
     front = _FinishedFront(blocks, numel, on_progress)
-    threads = min(_STEP_THREADS if numel >= _THREADED_MIN else 1, blocks)
+    most = _STEP_THREADS if on_progress is None else _STREAMED_STEP_THREADS
+    threads = min(most if numel >= _THREADED_MIN else 1, blocks)
     claims = itertools.count()  # next() is atomic under the GIL: each block runs once
     failures: list[tuple[int, BaseException]] = []
 
