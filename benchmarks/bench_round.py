@@ -105,7 +105,7 @@ from yeto_proto import (  # noqa: E402
 from yeto_proto.buffers import buffer_address  # noqa: E402
 from yeto_proto.constants import Q4_BLOCK_VALUES, STRIPED_TYPES  # noqa: E402
 from yeto_proto.dtypes import _q4_encode_blocks, _Q4EncodeScratch  # noqa: E402
-from yeto_sync.transport.receive_watermark import ReceiveWatermark  # noqa: E402
+from yeto_sync.receive_watermark import ReceiveWatermark  # noqa: E402
 
 F32Array = NDArray[np.float32]
 MIB = 1 << 20

@@ -87,9 +87,9 @@ from yeto_sync.events import (  # noqa: E402
     MessageReceived,
     Send,
 )
+from yeto_sync.receive_watermark import READ_WATERMARK_CAP  # noqa: E402
 from yeto_sync.transport import MonotonicClock  # noqa: E402
 from yeto_sync.transport.group import ConnectionGroups  # noqa: E402
-from yeto_sync.transport.receive_watermark import READ_WATERMARK_CAP  # noqa: E402
 from yeto_sync.transport.tcp import TcpTransport  # noqa: E402
 
 PIECE = 4 << 20

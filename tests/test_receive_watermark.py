@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from yeto_sync.transport.receive_watermark import READ_WATERMARK_CAP, ReceiveWatermark
+from yeto_sync.receive_watermark import READ_WATERMARK_CAP, ReceiveWatermark
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="SO_RCVLOWAT semantics of Linux")
 

@@ -43,7 +43,7 @@ from yeto_proto import (
 )
 from yeto_proto.constants import CHUNK_SLICE_SIZE, STRIPED_TYPES
 from yeto_proto.frames import Buffers, OutgoingBuffers
-from yeto_sync.transport.receive_watermark import READ_WATERMARK_CAP, ReceiveWatermark
+from yeto_sync.receive_watermark import READ_WATERMARK_CAP, ReceiveWatermark
 
 RECV_BUFFER_SIZE = 1 << 20
 _CONNECT_PENDING = (errno.EINPROGRESS, errno.EALREADY, errno.EAGAIN, errno.EWOULDBLOCK)

@@ -45,10 +45,10 @@ from yeto_proto.frames import Buffers, OutgoingBuffers
 
 from ..events import ConnId, Event, GroupKey
 from ..payload_progress import PayloadProgress, PayloadWithdrawn
+from ..receive_watermark import READ_WATERMARK_CAP, ReceiveWatermark
 from . import Clock
 from .group import ConnectionGroups, Hangup, LogFn, Transmit, WireCommand, Writable
 from .link_pace import LinkPace
-from .receive_watermark import READ_WATERMARK_CAP, ReceiveWatermark
 
 #: The receive buffer all sockets share (a read never outlives the task step that made it).
 RECV_BUFFER_SIZE = 4 << 20

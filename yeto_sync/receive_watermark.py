@@ -15,6 +15,10 @@ in two 64 MiB payloads with about a third less CPU.
 The mark stays at most a quarter of the socket's receive buffer: Linux grows a buffer too small
 for the mark it is given and clamps the receive window to it, which would cap a fast long link.
 Platforms without the option (or refusing it) simply read as before.
+
+It lives outside :mod:`yeto_sync.transport` and needs only the standard library, so the
+learner client's reader (:mod:`yeto_learn.transport.group`) takes it without importing the
+syncer's transport.
 """
 
 from __future__ import annotations
