@@ -47,7 +47,7 @@ from yeto_sync.events import (
 )
 from yeto_sync.transport import MonotonicClock
 from yeto_sync.transport.group import ConnectionGroups
-from yeto_sync.transport.tcp import Outgoing, SendQueue, TcpTransport
+from yeto_sync.transport.tcp import WRITE_TURN_BYTES, Outgoing, SendQueue, TcpTransport
 
 BIG = 1_500_000  # 6 MB of f32: two CHUNKs per BCAST
 LAYOUT = WireLayout((WireFragment(MergeMode.AVG, (BIG,)), WireFragment(MergeMode.AVG, (64,))))
@@ -184,6 +184,42 @@ def test_striped_frames_cross_real_sockets_both_ways() -> None:
     np.testing.assert_array_equal(
         np.frombuffer(push.data, "<f4"), np.linspace(-1, 1, BIG, dtype="<f4")
     )
+
+
+class _InstantSocket:
+    """A socket whose peer keeps up: every ``sendmsg`` takes up to ``take`` bytes at once."""
+
+    def __init__(self, name: str, calls: list[str], take: int) -> None:
+        self.name, self.calls, self.take = name, calls, take
+
+    def sendmsg(self, buffers: Sequence[memoryview]) -> int:
+        self.calls.append(self.name)
+        return min(self.take, sum(len(buffer) for buffer in buffers))
+
+
+@pytest.mark.parametrize("frames, take", [(1, WRITE_TURN_BYTES), (4, 4 * WRITE_TURN_BYTES)])
+def test_writers_take_turns_when_their_sockets_take_everything(frames: int, take: int) -> None:
+    """Large writes to two sockets interleave, so neither learner waits for the other's BCAST."""
+    calls: list[str] = []
+    size = 4 * WRITE_TURN_BYTES
+
+    async def scenario() -> None:
+        async with TcpTransport.serve(ConnectionGroups(2), MonotonicClock(), "127.0.0.1", 0) as tcp:
+
+            async def write(name: str) -> None:
+                sock = _InstantSocket(name, calls, take)
+                for _ in range(frames):
+                    frame = Outgoing([memoryview(bytes(size))])
+                    await tcp._write_frame(sock, frame)  # type: ignore[arg-type]
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(write, "a")
+                tasks.start_soon(write, "b")
+
+    run(scenario)
+    writes = 4 * frames // (take // WRITE_TURN_BYTES)
+    assert sorted(calls) == ["a"] * writes + ["b"] * writes
+    assert calls == ["a", "b"] * writes
 
 
 def _push_bytes(scale: float) -> bytes:

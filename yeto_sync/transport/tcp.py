@@ -7,7 +7,9 @@ place in its reassembled message), and everything else — headers, small frames
 reusable 4 MiB buffer shared by all sockets, whose bytes the decoder copies into their frame
 before the reading task yields (:meth:`yeto_proto.FrameDecoder.next_read` picks). Send path:
 frames are the buffer lists :func:`yeto_proto.encode` and the CHUNK slicer return (tensor bytes
-are views of the coordinator's arrays) and go out with ``socket.sendmsg``, never joined.
+are views of the coordinator's arrays) and go out with ``socket.sendmsg``, never joined. A writer
+lets the others run after each large write, so a broadcast reaches every learner at about the
+same time even when one socket could take it all at once.
 
 Every wait is bounded:
 
@@ -59,6 +61,8 @@ MAX_EVENT_BACKLOG = 1024
 LISTEN_BACKLOG = 512
 #: iovecs per sendmsg call (Linux allows 1024).
 IOV_BATCH = 512
+#: After a write of at least this many bytes a writer lets the other sockets' tasks run.
+WRITE_TURN_BYTES = 256 << 10
 
 
 async def _grown(progress: PayloadProgress, seen: int) -> None:
@@ -480,7 +484,8 @@ class TcpTransport:
         pending = OutgoingBuffers(frame.buffers, IOV_BATCH)
         written = 0
         started = time.monotonic()
-        waited_for_payload = 0.0
+        # Time spent waiting for the payload or letting other writers go: not the link's.
+        off_link = 0.0
         while not pending.done:
             room = None
             if frame.writable is not None and frame.progress is not None:
@@ -491,7 +496,7 @@ class TcpTransport:
                 if room <= 0:
                     paused = time.monotonic()
                     await _grown(frame.progress, seen)
-                    waited_for_payload += time.monotonic() - paused
+                    off_link += time.monotonic() - paused
                     continue
             try:
                 sent = sock.sendmsg(pending.batch(room))
@@ -505,4 +510,11 @@ class TcpTransport:
                 continue
             pending.advance(sent)
             written += sent
-        self.link_pace.record(written, time.monotonic() - started - waited_for_payload)
+            if sent >= WRITE_TURN_BYTES:
+                # A socket whose peer keeps up (loopback, a fast LAN) would otherwise take
+                # every queued frame in one go while the other learners' sockets wait: one
+                # learner would get a broadcast well before the others.
+                paused = time.monotonic()
+                await anyio.lowlevel.checkpoint()
+                off_link += time.monotonic() - paused
+        self.link_pace.record(written, time.monotonic() - started - off_link)
