@@ -196,6 +196,93 @@ def test_accepted_ack_survives_a_disconnect_and_shutdown_skips_closed_generation
     assert sim.exit == Exit(0, "finalized at global step 4")
 
 
+def shutdowns_in(actions: list[Any]) -> list[GroupKey]:
+    return [x.group for x in actions if isinstance(x, Send) and isinstance(x.message, Shutdown)]
+
+
+def test_acked_learner_that_reconnects_gets_the_cut_again_and_its_shutdown() -> None:
+    """Its first ACK stands, but SHUTDOWN can only reach it on the generation it redialled."""
+    sim = session()
+    a, b = sim.learners[0], sim.learners[1]
+    ack(sim, a.key)
+    a.disconnect()
+    fresh = a.connect()
+
+    cut = [m for m in sim.sends_to(fresh) if isinstance(m, FinalFragment | FinalManifest)]
+    assert [type(m) for m in cut] == [FinalFragment, FinalFragment, FinalManifest]
+    ack(sim, b.key)
+    assert sim.exit is None  # the new generation has not acknowledged yet
+
+    actions = ack(sim, fresh)
+
+    assert shutdowns_in(actions) == [fresh, b.key]
+    assert actions[-1] == Exit(0, "finalized at global step 4")
+
+
+def test_ack_from_a_second_queued_generation_counts_and_gets_the_shutdown() -> None:
+    """Both generations were sent the cut; the old one ACKs and drops, the new one ACKs too."""
+    sim = session()
+    a, b = sim.learners[0], sim.learners[1]
+    old = a.key
+    fresh = a.connect()  # while the old generation is still open and pending
+    assert FinalManifest in {type(m) for m in sim.sends_to(fresh)}
+    ack(sim, old)
+    sim.close(old)
+    ack(sim, b.key)
+    assert sim.exit is None
+
+    actions = ack(sim, fresh)
+
+    assert not sim.logs("FINAL_ACK repeated")
+    assert shutdowns_in(actions) == [fresh, b.key]
+    assert sim.exit == Exit(0, "finalized at global step 4")
+
+
+def test_a_superseded_generation_that_never_acks_does_not_hold_up_the_exit() -> None:
+    sim = session()
+    a, b = sim.learners[0], sim.learners[1]
+    old = a.key
+    fresh = a.connect()
+    ack(sim, fresh)
+
+    actions = ack(sim, b.key)
+
+    assert shutdowns_in(actions) == [fresh, b.key]
+    assert sim.exit == Exit(0, "finalized at global step 4") and old not in sim.closed
+
+
+def test_reconnected_generation_that_drops_before_its_ack_no_longer_holds_up_the_exit() -> None:
+    sim = session()
+    a, b = sim.learners[0], sim.learners[1]
+    ack(sim, a.key)
+    a.disconnect()
+    fresh = a.connect()
+    ack(sim, b.key)
+    assert sim.exit is None
+
+    actions = sim.close(fresh)
+
+    assert shutdowns_in(actions) == [b.key]
+    assert sim.exit == Exit(0, "finalized at global step 4")
+
+
+def test_missing_re_ack_at_the_deadline_still_exits_zero() -> None:
+    """Every learner's ACK stands; only a reconnected generation's repeat is missing."""
+    sim = session(final_ack_timeout_s=30)
+    a, b = sim.learners[0], sim.learners[1]
+    ack(sim, a.key)
+    a.disconnect()
+    fresh = a.connect()
+    ack(sim, b.key)
+
+    sim.advance(30)
+
+    assert sim.exit == Exit(0, "finalized at global step 4")
+    assert shutdowns_in(sim.actions) == [b.key]
+    (warning,) = sim.logs("re-ACK missing from a reconnected generation; the earlier ACK stands")
+    assert warning.fields["members"] == [{"learner_id": 0, "generation": fresh.generation}]
+
+
 def test_repeated_ack_is_harmless() -> None:
     sim = session()
     a = sim.learners[0]

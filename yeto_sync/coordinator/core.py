@@ -350,6 +350,8 @@ class Coordinator:
                 {**_member_fields(key), "was_current": was_current, "reason": reason},
             )
         )
+        if was_current:
+            self._finish_if_delivered(out)  # its missing re-ACK no longer holds the cut up
 
     # -- messages --------------------------------------------------------------------------
     def _on_message(
@@ -532,10 +534,16 @@ class Coordinator:
                 {**_member_fields(key), "pending": sorted(final.pending)},
             )
         )
-        if final.complete:
-            out.extend(final.shutdown_sends(self._registry.is_open))
-            out.append(CancelTimer(FINAL_ACK_TIMER))
-            self._finish(EXIT_OK, f"finalized at global step {final.final_step}", out)
+        self._finish_if_delivered(out)
+
+    def _finish_if_delivered(self, out: list[Action]) -> None:
+        """SHUTDOWN and exit 0 once every frozen learner's ACK is in (see :mod:`.finalize`)."""
+        final = self._final
+        if final is None or not final.complete(self._registry.is_current):
+            return
+        out.extend(final.shutdown_sends(self._registry.is_open))
+        out.append(CancelTimer(FINAL_ACK_TIMER))
+        self._finish(EXIT_OK, f"finalized at global step {final.final_step}", out)
 
     def _on_budget_done(
         self, key: GroupKey, report: BudgetDone, now: float, out: list[Action]
@@ -669,10 +677,22 @@ class Coordinator:
 
     def _on_final_deadline(self, out: list[Action]) -> None:
         final = self._final
-        if final is None or final.complete:
+        if final is None or final.complete(self._registry.is_current):
             return
         out.extend(final.shutdown_sends(self._registry.is_open))
         pending = sorted(final.pending)
+        if not pending:
+            # Every learner's ACK stands; only a reconnected generation's repeat is missing.
+            awaited = final.awaited(self._registry.is_current)
+            out.append(
+                Log(
+                    "warning",
+                    "re-ACK missing from a reconnected generation; the earlier ACK stands",
+                    {"members": [_member_fields(group) for group in awaited]},
+                )
+            )
+            self._finish(EXIT_OK, f"finalized at global step {final.final_step}", out)
+            return
         self._fail(
             f"FINAL_ACK missing from learners {pending} after "
             f"{self.config.final_ack_timeout} s (the final checkpoint is intact)",

@@ -3,9 +3,15 @@
 When every launched round has committed, the coordinator freezes the logical learners that have
 a live current group, writes the final checkpoint, and queues the cut — FINAL_FRAGMENT (f32) for
 every fragment, then FINAL_MANIFEST — to each of them. A FINAL_ACK counts only from a
-generation the cut was queued to; a pending learner may reconnect, get the cut on its new
-generation, and acknowledge from there. An accepted ACK is never erased. SHUTDOWN goes only to
+generation the cut was queued to; a frozen learner that reconnects gets the cut on its new
+generation and acknowledges from there. An accepted ACK is never erased. SHUTDOWN goes only to
 still-connected generations whose ACK was accepted.
+
+A learner whose group drops after its ACK was accepted is no longer pending, but it waits for a
+SHUTDOWN it can only get on a connection that is still open: it redials and ACKs again from its
+new generation (spec/learner.md §7). So delivery is complete only when every frozen learner has
+an accepted ACK *and* each frozen learner's current generation that was sent the cut has
+acknowledged it. At the deadline, a learner whose earlier ACK stands is not missing.
 """
 
 from __future__ import annotations
@@ -34,20 +40,30 @@ class Finalization:
         self.manifest = FinalManifest(final_step, tuple(f.version for f in fragments))
         self._fragments = tuple(fragments)
         self.queued_to: set[GroupKey] = set()
-        #: learner id → the generation whose ACK was accepted.
-        self.acked: dict[int, GroupKey] = {}
+        #: Every generation whose valid ACK was accepted (never erased).
+        self.acked: set[GroupKey] = set()
+
+    @property
+    def acked_learners(self) -> frozenset[int]:
+        return frozenset(group.learner_id for group in self.acked)
 
     @property
     def pending(self) -> frozenset[int]:
-        return frozenset(self.frozen - self.acked.keys())
+        """Frozen learners without any accepted ACK: what a missing-ACK failure names."""
+        return frozenset(self.frozen - self.acked_learners)
 
-    @property
-    def complete(self) -> bool:
-        return not self.pending
+    def awaited(self, is_current: Callable[[GroupKey], bool]) -> list[GroupKey]:
+        """Current generations that were sent the cut and have not acknowledged it yet."""
+        return sorted(
+            group for group in self.queued_to if group not in self.acked and is_current(group)
+        )
+
+    def complete(self, is_current: Callable[[GroupKey], bool]) -> bool:
+        return not self.pending and not self.awaited(is_current)
 
     def wants_cut(self, group: GroupKey) -> bool:
-        """A frozen learner without an accepted ACK gets the cut on each new generation."""
-        return group.learner_id in self.pending and group not in self.queued_to
+        """Each new generation of a frozen learner gets the cut, ACK already accepted or not."""
+        return group.learner_id in self.frozen and group not in self.queued_to
 
     def queue(self, group: GroupKey) -> list[Send]:
         """The cut for one generation: every FINAL_FRAGMENT, then the manifest."""
@@ -71,13 +87,11 @@ class Finalization:
         return None
 
     def accept(self, group: GroupKey) -> bool:
-        """Record a valid ACK; False if this learner's ACK was already accepted."""
-        if group.learner_id in self.acked:
+        """Record a valid ACK; False if this generation's ACK was already accepted."""
+        if group in self.acked:
             return False
-        self.acked[group.learner_id] = group
+        self.acked.add(group)
         return True
 
     def shutdown_sends(self, is_open: Callable[[GroupKey], bool]) -> list[Send]:
-        return [
-            Send(group, Shutdown()) for _, group in sorted(self.acked.items()) if is_open(group)
-        ]
+        return [Send(group, Shutdown()) for group in sorted(self.acked) if is_open(group)]
