@@ -421,6 +421,7 @@ def test_a_later_pull_replaces_the_pending_one() -> None:
     t.step()
     t.session.connection_lost()
     t.session.hello(1, generation=12)
+    t.receive(bcast(t.session, 1, 0, globals_for(1)[1]))  # the syncer's replay
     t.receive(PullReq(1, 7, 1))
     t.receive(PullReq(1, 7, 2))
     (push,) = t.answer()
@@ -571,11 +572,78 @@ def test_reconnect_keeps_anchors_and_drops_pending_pulls() -> None:
     assert t.session.data_hellos() == [DataHello(1, 77, i) for i in range(3)]
     anchor = t.session.anchor(0)
     assert anchor is not None and anchor.version == 3 and same_bits(anchor.values, theta[0])
-    # the syncer replays every fragment at its current version to the new generation
-    assert t.receive(bcast(t.session, 0, 3, theta[0])) == []
+    # A pull waits for the syncer's replay of the fragment to this generation: the held anchor
+    # could be ahead of a syncer that restarted from an older checkpoint.
     t.receive(PullReq(0, 6, 1))
+    assert t.answer() == []
+    assert t.receive(bcast(t.session, 0, 3, theta[0])) == []  # the replay: nothing to apply
     (push,) = t.answer()
     assert (push.global_step, push.base_version, push.c_steps) == (6, 3, 1)
+
+
+def test_a_restarted_syncers_older_state_replaces_the_anchor() -> None:
+    """Resumed from a checkpoint older than the held anchor: its replay becomes the anchor."""
+    t = connected()
+    ahead, behind = globals_for(31), globals_for(32)
+    t.receive(bcast(t.session, 0, 5, ahead[0]))
+    t.step()
+    t.session.connection_lost()
+    t.session.hello(num_streams=2, generation=12)
+    t.receive(PullReq(0, 4, 1))
+
+    effects = t.receive(bcast(t.session, 0, 3, behind[0]))
+
+    assert [(e.fragment_id, e.version) for e in effects if isinstance(e, ApplyBroadcast)] == [
+        (0, 3)
+    ]
+    anchor = t.session.anchor(0)
+    assert anchor is not None and anchor.version == 3 and same_bits(anchor.values, behind[0])
+    assert t.answer() == []  # the window restarted with the apply
+    t.step()
+    (push,) = t.answer()
+    assert push.base_version == 3
+    np.testing.assert_array_equal(
+        decode_push(WireDtype.F32, push.data, NUMELS[0]), t.params[0] - behind[0]
+    )
+    # After that first replay the anchor moves forward only, as before.
+    assert t.receive(bcast(t.session, 0, 2, ahead[0])) == []
+    with raises_code(ErrorCode.BCAST_CONFLICT):
+        t.receive(bcast(t.session, 0, 3, ahead[0]))
+
+
+def test_a_redone_version_with_other_bytes_is_taken_only_as_a_connections_first() -> None:
+    t = connected()
+    first, redone = globals_for(41), globals_for(42)
+    t.receive(bcast(t.session, 1, 4, first[1]))
+    t.session.connection_lost()
+    t.session.hello(num_streams=2, generation=12)
+
+    effects = t.receive(bcast(t.session, 1, 4, redone[1]))
+
+    assert [e.version for e in effects if isinstance(e, ApplyBroadcast)] == [4]
+    anchor = t.session.anchor(1)
+    assert anchor is not None and same_bits(anchor.values, redone[1])
+
+
+def test_an_apply_handed_out_before_the_rollback_may_still_be_confirmed() -> None:
+    t = connected()
+    ahead, behind = globals_for(51), globals_for(52)
+    (late,) = deliver(t.session, bcast(t.session, 0, 5, ahead[0]))  # not applied yet
+    t.session.connection_lost()
+    t.session.hello(num_streams=2, generation=12)
+    (rolled_back,) = deliver(t.session, bcast(t.session, 0, 3, behind[0]))
+    assert isinstance(late, ApplyBroadcast) and isinstance(rolled_back, ApplyBroadcast)
+
+    t.apply([late])  # confirms version 5: still pending, version 3
+    t.receive(PullReq(0, 4, 1))
+    t.step()
+    assert t.answer() == []
+    t.apply([rolled_back])
+    t.step()
+    (push,) = t.answer()
+    assert push.base_version == 3
+    with raises_code(ErrorCode.SESSION_MISUSE, LocalProtocolError):
+        t.session.broadcast_applied(0, 6)  # never handed out
 
 
 def test_hello_opens_a_new_group_and_refuses_old_generations() -> None:

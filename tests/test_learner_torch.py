@@ -360,6 +360,78 @@ def test_a_severed_learner_redials_with_a_new_generation_and_the_session_finishe
         assert_holds_checkpoint(trained.model, trained.learner.layout, checkpoint)
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _committed_steps(tape: Path) -> list[int]:
+    if not tape.exists():
+        return []
+    lines = [json.loads(line) for line in tape.read_text().splitlines() if line.strip()]
+    return [line["step"] for line in lines if "event" not in line and "step" in line]
+
+
+def test_learners_carry_on_when_the_syncer_resumes_from_an_older_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """kill -9 the syncer between periodic checkpoints, restart it with --resume.
+
+    The learners hold versions the resumed syncer no longer has (it redoes the rounds after its
+    checkpoint); they must take its older state as their anchors, answer its pulls, and finish
+    holding its final checkpoint.
+    """
+    port = _free_port()
+    directory = tmp_path / "syncer"
+    extra = ["--port", str(port), "--checkpoint-every", "4", "--sync-interval-steps", "8"]
+    results: dict[int, Trained] = {}
+    errors: list[BaseException] = []
+    applied: dict[int, int] = {}  # learner → the newest version it applied
+
+    def note(learner: Learner, step: int) -> None:
+        applied[learner.learner_id] = learner.stats.global_step
+
+    def run(i: int) -> None:
+        try:
+            results[i] = train(f"127.0.0.1:{port}", i, 2, tmp_path / f"learner-{i}", on_step=note)
+        except BaseException as exc:  # re-raised in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    with running_syncer(directory, learners=2, total_steps=20, extra=extra) as first:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        # Between two checkpoints, with the learners holding a version beyond the first.
+        while not any(step % 4 in (2, 3) and step > 4 for step in _committed_steps(first.tape)):
+            assert time.monotonic() < deadline and first.process.poll() is None
+            time.sleep(0.005)
+        first.process.kill()
+        first.process.wait(10)
+        held_at_kill = max(applied.values(), default=0)
+    first_run = _committed_steps(first.tape)  # the resumed syncer appends to the same tape
+    killed_at = max(first_run)
+    resumed_from = read_checkpoint(first.checkpoint).global_step
+    assert resumed_from < killed_at
+    assert held_at_kill > resumed_from, "no learner was ahead of the checkpoint at the kill"
+    with running_syncer(
+        directory, learners=2, total_steps=20, extra=[*extra, "--resume"]
+    ) as second:
+        for thread in threads:
+            thread.join(120)
+        if errors:
+            raise errors[0]
+        assert second.wait() == 0, second.log_tail()
+    checkpoint = read_checkpoint(second.checkpoint)
+    assert checkpoint.global_step == 20
+    for trained in results.values():
+        assert trained.learner.final_global_step == 20
+        assert_holds_checkpoint(trained.model, trained.learner.layout, checkpoint)
+    second_run = _committed_steps(second.tape)[len(first_run) :]
+    assert second_run == list(range(resumed_from + 1, 21))  # the rounds after it, redone
+
+
 def test_a_budget_report_queued_for_a_lost_group_reaches_the_syncer_on_the_next(
     tmp_path: Path,
 ) -> None:

@@ -89,6 +89,9 @@ class _Fragment:
     pull: PullReq | None = None
     #: Version of the newest ApplyBroadcast handed out and not yet confirmed.
     apply_pending: int | None = None
+    #: The highest version ever handed out for apply (above ``apply_pending`` only after a
+    #: restarted syncer took the anchor back: that older hand-out may still be confirmed).
+    highest_handed_out: int = -1
 
 
 class LearnerSession:
@@ -138,6 +141,9 @@ class LearnerSession:
         self._local_step = 0
         self._total_tokens = 0
         self._budget_reported = False
+        #: Fragments whose first BCAST on the current connection has not arrived: their held
+        #: anchors may be ahead of a restarted syncer, so their pulls wait for it.
+        self._awaiting_first: set[int] = set()
 
     # -- observation -----------------------------------------------------------------------
     @property
@@ -227,6 +233,7 @@ class LearnerSession:
         self._generation = generation
         self._num_streams = num_streams
         self._phase = Phase.CONNECTED
+        self._awaiting_first = set(range(len(self._fragments)))
         return message
 
     def data_hellos(self) -> list[DataHello]:
@@ -236,6 +243,10 @@ class LearnerSession:
 
     def connection_lost(self) -> None:
         """The group died: its pending pulls die with it; anchors and caches are kept.
+
+        The next connection's first BCAST of each fragment is authoritative, even below the
+        held anchor (a syncer restarted from an older checkpoint), and pulls of a fragment wait
+        for it: an anchor ahead of the syncer would make every PUSH a future-base rejection.
 
         In frozen mode the anchors go too: the restarted syncer's broadcasts must be the base
         of every frozen PUSH (source: the fresh connection drops the cutoff process's state).
@@ -316,9 +327,17 @@ class LearnerSession:
 
     def _on_broadcast(self, message: BcastFragment) -> list[Effect]:
         p, numel = self._check_tensor(FrameType.BCAST_FRAGMENT, message)
-        arrival = self._anchors.offer(
-            p, message.version, lambda: decode_tensor(message.data, self.dtype, numel, push=False)
-        )
+
+        def decode() -> NDArray[np.float32]:
+            return decode_tensor(message.data, self.dtype, numel, push=False)
+
+        if p in self._awaiting_first:
+            # The syncer's replay of its current version to this generation: authoritative,
+            # even below the held anchor (it restarted from an older checkpoint).
+            self._awaiting_first.discard(p)
+            arrival = self._anchors.restore(p, message.version, decode)
+        else:
+            arrival = self._anchors.offer(p, message.version, decode)
         if arrival is not Arrival.STORED:
             return []
         if self._budget_reported:
@@ -327,7 +346,9 @@ class LearnerSession:
             return []  # the final cut overwrites the parameters; a late BCAST must not blend in
         anchor = self._anchors[p]
         assert anchor is not None
-        self._fragments[p].apply_pending = message.version
+        state = self._fragments[p]
+        state.apply_pending = message.version
+        state.highest_handed_out = max(state.highest_handed_out, message.version)
         return [ApplyBroadcast(p, message.version, anchor.values)]
 
     def _check_tensor(
@@ -349,7 +370,7 @@ class LearnerSession:
         self._alive()
         state = self._fragments[self._index(fragment_id)]
         pending = state.apply_pending
-        if pending is None or version > pending:
+        if pending is None or version > state.highest_handed_out:
             raise LocalProtocolError(
                 ErrorCode.SESSION_MISUSE,
                 f"fragment {fragment_id} version {version} was not handed out for apply",
@@ -398,7 +419,7 @@ class LearnerSession:
 
     def _ready(self, p: int) -> bool:
         state = self._fragments[p]
-        if state.pull is None or self._anchors[p] is None:
+        if state.pull is None or self._anchors[p] is None or p in self._awaiting_first:
             return False
         if self._budget_reported:
             return True  # frozen: the window is the whole budget

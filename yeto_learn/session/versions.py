@@ -87,5 +87,23 @@ class MonotonicCache:
             f"{self._what} fragment {fragment_id} version {version}: different bytes replayed",
         )
 
+    def restore(
+        self, fragment_id: int, version: int, decode: Callable[[], NDArray[np.float32]]
+    ) -> Arrival:
+        """Offer the first version a new connection delivers, which may go back in time.
+
+        A live syncer never sends a version below one it sent before; a syncer restarted from
+        a checkpoint older than the held version does, and may redo that version with other
+        bytes. Its state replaces the held one (STORED); only the same bits are a REPLAY.
+        """
+        held = self._slots[fragment_id]
+        if held is None or version > held.version:
+            return self.offer(fragment_id, version, decode)
+        values = frozen_f32(decode())
+        if version == held.version and same_bits(values, held.values):
+            return Arrival.REPLAY
+        self._slots[fragment_id] = Versioned(version, values)
+        return Arrival.STORED
+
     def clear(self) -> None:
         self._slots = [None] * len(self._slots)
