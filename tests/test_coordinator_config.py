@@ -131,6 +131,7 @@ def test_semantic_flags_change_the_profile_hash(change: dict[str, Any]) -> None:
         ({"port": 70000}, "--port"),
         ({"grace_ms": -1}, "--grace-ms"),
         ({"quorum_timeout_s": -5}, "--quorum-timeout-s"),
+        ({"quorum_timeout_s": 0}, "--quorum-timeout-s"),  # every attempt would time out at once
         ({"final_ack_timeout_s": -5}, "--final-ack-timeout-s"),
         ({"outer_lr": float("nan")}, "--outer-lr"),
         ({"grace_gamma": -0.1}, "--grace-gamma"),

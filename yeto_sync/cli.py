@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quorum-timeout-s",
         type=int,
         default=900,
-        help="an attempt below quorum after this long is discarded and retried",
+        help="an attempt below quorum after this many seconds (>= 1) is discarded and retried",
     )
     rounds.add_argument(
         "--max-base-lag",

@@ -66,9 +66,14 @@ class SyncerConfig:
         _require(1 <= self.quorum <= _U32_MAX, f"--quorum must be >= 1, got {self.quorum}")
         _require(0 <= self.pipeline <= _U32_MAX, f"--pipeline must be >= 0, got {self.pipeline}")
         _require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
-        for name in ("grace_ms", "min_round_interval_ms", "quorum_timeout_s"):
+        for name in ("grace_ms", "min_round_interval_ms"):
             value = getattr(self, name)
             _require(0 <= value <= _U64_MAX, f"--{_flag(name)} must be >= 0, got {value}")
+        # 0 would end every attempt the instant it launched: retries without end, no round ever.
+        _require(
+            1 <= self.quorum_timeout_s <= _U64_MAX,
+            f"--quorum-timeout-s must be >= 1, got {self.quorum_timeout_s}",
+        )
         if self.final_ack_timeout_s is not None:
             _require(
                 0 <= self.final_ack_timeout_s <= _U64_MAX,
