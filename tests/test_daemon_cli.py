@@ -18,7 +18,7 @@ from daemon_harness import REPO, Daemon, error_code, wait_until
 from scripted_learner import LearnerGroup, ScriptedLearner, SessionSpec, SyncerError
 
 from yeto_proto import MergeMode, WireDtype, WireFragment, WireLayout
-from yeto_proto.checkpoint import read_checkpoint
+from yeto_proto.checkpoint import read_checkpoint, write_final_marker
 
 LAYOUT = WireLayout((WireFragment(MergeMode.AVG, (4096,)), WireFragment(MergeMode.AVG, (64,))))
 SPEC = SessionSpec(WireDtype.BF16, LAYOUT, bytes(range(32)), bytes(range(64, 96)))
@@ -114,6 +114,13 @@ def test_refuses_to_start_over_an_existing_checkpoint(tmp_path: Path) -> None:
         (["--learners=1", "--total-steps=4", "--resume"], "--checkpoint-path"),
         (["--learners=1", "--total-steps=4", "--resume", "--checkpoint-path=/no/such"], "no "),
         (["--learners=1", "--total-steps=4", "--hello-hmac-key-file=/no/such"], "key"),
+        (["--learners=x", "--total-steps=4"], "--learners"),  # argparse's usage errors too
+        (["--learners=1", "--total-steps=4", "--res"], "--res"),  # no abbreviated flags
+        (["--learners=1", "--total-steps=4", "--outer-lr=1e39"], "--outer-lr"),
+        (["--learners=1", "--total-steps=4", "--quorum-timeout-s=0"], "--quorum-timeout-s"),
+        (["--learners=1", "--total-steps=4", "--event-tape=/no/such/tape"], "--event-tape"),
+        (["--learners=1", "--total-steps=4", "--checkpoint-path=/no/such/c"], "no directory"),
+        (["--learners=1", "--total-steps=4", "--final-state=/"], "--final-state"),
     ],
 )
 def test_bad_startup_input_is_one_line_and_exit_2(flags: list[str], words: str) -> None:
@@ -121,6 +128,28 @@ def test_bad_startup_input_is_one_line_and_exit_2(flags: list[str], words: str) 
     assert result.returncode == 2
     (line,) = result.stderr.splitlines()
     assert line.startswith("yeto-sync: error: ") and words in line
+
+
+def test_refuses_to_start_beside_an_earlier_runs_final_marker(tmp_path: Path) -> None:
+    """A new run could write a checkpoint at the step the stale marker names: it would read
+    as a final cut."""
+    checkpoint = tmp_path / "ckpt"
+    write_final_marker(checkpoint, 4)
+    result = yeto_sync("--learners=1", "--total-steps=4", f"--checkpoint-path={checkpoint}")
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert "final marker" in line and not checkpoint.exists()
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_a_signal_right_after_the_ready_line_stops_cleanly(signals: int) -> None:
+    """The handlers are in place before the ready line; a second signal only says so."""
+    with Daemon("--learners=1", "--total-steps=4") as daemon:
+        for _ in range(signals):
+            daemon.signal(signal.SIGTERM)
+        assert daemon.wait(15) == 128 + signal.SIGTERM
+        last = daemon.stderr.splitlines()[-1]
+    assert last == "yeto-sync: stopped by SIGTERM; no checkpoint was written"
 
 
 def test_a_port_in_use_is_one_line_and_nonzero() -> None:

@@ -14,14 +14,18 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import anyio
+import anyio.abc
 
 from yeto_proto.checkpoint import Checkpoint, read_checkpoint
+from yeto_proto.checkpoint.marker import marker_path
 from yeto_proto.constants import IsoBackend
 from yeto_proto.errors import ProtocolError
 from yeto_proto.identity import DeltaCorrection, LearnerWeight
@@ -61,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
             "deltas from M learners, merges them and broadcasts the result."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # exactly the pinned flags: `--res` is not `--resume`
     )
     net = parser.add_argument_group("listener")
     net.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
@@ -246,6 +251,25 @@ def load_hello_key(config: SyncerConfig) -> bytes | None:
     return key
 
 
+def check_output_paths(config: SyncerConfig) -> None:
+    """Every output's directory exists and is writable: found now, not rounds into the run."""
+    outputs = {
+        "--checkpoint-path": config.checkpoint_path,
+        "--final-state": config.final_state,
+        "--event-tape": config.event_tape,
+    }
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        if path.is_dir():
+            raise BadInput(f"{flag} {path} is a directory")
+        directory = path.parent
+        if not directory.is_dir():
+            raise BadInput(f"{flag} {path}: no directory {directory}")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise BadInput(f"{flag} {path}: directory {directory} is not writable")
+
+
 def load_resume_checkpoint(config: SyncerConfig) -> Checkpoint | None:
     """Refuse to overwrite a checkpoint without ``--resume``; with it, read the checkpoint."""
     path = config.checkpoint_path
@@ -258,6 +282,11 @@ def load_resume_checkpoint(config: SyncerConfig) -> Checkpoint | None:
             raise BadInput(
                 f"checkpoint {path} exists; pass --resume to continue from it, or move it away"
             )
+        marker = marker_path(path)
+        if marker.exists():
+            # A new run may write a checkpoint at the step the old marker names, which would
+            # then read as a final cut.
+            raise BadInput(f"final marker {marker} of an earlier run exists; move it away")
         return None
     if not path.exists():
         raise BadInput(f"--resume: no checkpoint at {path}")
@@ -267,18 +296,54 @@ def load_resume_checkpoint(config: SyncerConfig) -> Checkpoint | None:
         raise BadInput(f"--resume: cannot read checkpoint {path}: {exc}") from None
 
 
+class _Interrupted(BaseException):
+    """SIGINT or SIGTERM outside the event loop's own signal handling."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise _Interrupted(signum)
+
+
+def _set_signal_handlers(handler: Callable[[int, object], None] | signal.Handlers) -> None:
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, handler)
+
+
+def _one_line_usage_error(message: str) -> NoReturn:
+    print(f"{PROG}: error: {message} (see --help)", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_BAD_INPUT)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    parser.error = _one_line_usage_error  # type: ignore[method-assign]
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits on --help (0) and on usage errors (2)
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+    # Until the event loop takes over (and after it lets go), a signal ends in a clear line.
+    _set_signal_handlers(_interrupt)
+    try:
+        return _start_and_serve(args)
+    except _Interrupted as interrupted:
+        name = signal.Signals(interrupted.signum).name
+        print(f"{PROG}: {name} while starting; no checkpoint written", file=sys.stderr)
+        return 128 + interrupted.signum
+
+
+def _start_and_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         if config.print_profile_hash:
             print(config.profile().digest().hex(), flush=True)
             return 0
         hello_key = load_hello_key(config)
+        check_output_paths(config)
         checkpoint = load_resume_checkpoint(config)
         iso_pool = start_iso_pool(config)
         try:
@@ -295,8 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MergeError as exc:  # the iso worker pool did not start
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILURE
+    serving: list[Driver] = []  # the driver, once the daemon serves
     try:
-        exit_action, kept = anyio.run(_serve, config, coordinator, hello_key, iso_pool)
+        exit_action, kept = anyio.run(_serve, config, coordinator, hello_key, iso_pool, serving)
     except OSError as exc:
         print(
             f"{PROG}: error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
@@ -304,9 +370,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
         return EXIT_FAILURE
-    except KeyboardInterrupt:  # before the signal handlers were installed
-        print(f"{PROG}: interrupted while starting; no checkpoint written", file=sys.stderr)
-        return 128 + signal.SIGINT
+    except _Interrupted as interrupted:  # outside the event loop's signal handling
+        if not serving:
+            raise
+        name = signal.Signals(interrupted.signum).name
+        print(f"{PROG}: stopped by {name}; {_kept_state(serving[0])}", file=sys.stderr)
+        return 128 + interrupted.signum
     finally:
         if iso_pool is not None:
             iso_pool.close()  # stops and, if need be, kills every worker: no orphans
@@ -343,6 +412,7 @@ async def _serve(
     coordinator: Coordinator,
     hello_key: bytes | None,
     iso_pool: IsoWorkerPool | None = None,
+    serving: list[Driver] | None = None,
 ) -> tuple[Exit, str]:
     log = KeyValueLog(sys.stderr)
     clock = MonotonicClock()
@@ -363,8 +433,11 @@ async def _serve(
             iso_pool=iso_pool,
             stream_broadcasts=True,
         )
+        if serving is not None:
+            serving.append(driver)
         async with anyio.create_task_group() as tasks:
-            tasks.start_soon(_stop_on_signal, driver)
+            # Installed before the ready line: a signal right after it stops the daemon cleanly.
+            await tasks.start(_stop_on_signal, driver, log)
             log(
                 "info",
                 "listening",
@@ -386,12 +459,30 @@ async def _serve(
     return exit_action, _kept_state(driver)
 
 
-async def _stop_on_signal(driver: Driver) -> None:
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
-        async for signum in received:
-            name = signal.Signals(signum).name
-            driver.request_stop(128 + signum, f"stopped by {name}")
-            return
+async def _stop_on_signal(
+    driver: Driver, log: KeyValueLog, *, task_status: anyio.abc.TaskStatus[None]
+) -> None:
+    """The first SIGINT/SIGTERM stops the driver; later ones only say it is stopping.
+
+    The receiver stays open until the daemon is done: a second signal must not kill it with
+    the default action while it finishes a checkpoint write or flushes its queues.
+    """
+    try:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+            task_status.started()
+            stopping = False
+            async for signum in received:
+                name = signal.Signals(signum).name
+                if stopping:
+                    log("warning", "already stopping", {"signal": name})
+                    continue
+                stopping = True
+                driver.request_stop(128 + signum, f"stopped by {name}")
+    finally:
+        # Closing the receiver put the default actions back. The run is over; only the last
+        # line is left to print, and a late signal must not kill the process before or after
+        # it (ignored signals stay ignored through the interpreter's shutdown).
+        _set_signal_handlers(signal.SIG_IGN)
 
 
 def _kept_state(driver: Driver) -> str:

@@ -9,6 +9,7 @@ paths do not change semantics and are left out of it.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,9 @@ class SyncerConfig:
         for name in ("grace_gamma", "grace_tau", "sync_interval_steps"):
             value = getattr(self, name)
             _require(value >= 0, f"--{_flag(name)} must be >= 0, got {value}")
+        for name in ("outer_lr", "outer_momentum"):  # f32 in the profile and in the outer step
+            value = getattr(self, name)
+            _require(_fits_f32(value), f"--{_flag(name)} must fit in float32, got {value}")
         _require(
             1 <= self.checkpoint_every <= _U64_MAX,
             f"--checkpoint-every must be >= 1, got {self.checkpoint_every}",
@@ -162,3 +166,11 @@ def _flag(field_name: str) -> str:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _fits_f32(value: float) -> bool:
+    try:
+        struct.pack("<f", value)
+    except OverflowError:
+        return False
+    return True
