@@ -214,6 +214,23 @@ def test_data_hello_without_group_gets_unknown_group_after_ten_seconds() -> None
     run(scenario)
 
 
+def test_data_sockets_waiting_for_a_group_that_fails_its_admission_are_refused_at_once() -> None:
+    """The HELLO lifted their deadline; bytes behind it that fail close the group at admission."""
+
+    async def scenario() -> None:
+        syncer = new_syncer(AdmitAll())
+        waiting = syncer.connect()
+        waiting.send(DataHello(0, 1, 0))
+        await syncer.settle()
+        control = syncer.connect()
+        control.write(encode_bytes(make_hello(0, 1, num_streams=1)) + bytes(13))
+        await syncer.settle()
+        assert error_code(control) == "BAD_MAGIC"
+        assert error_code(waiting) == "UNKNOWN_GROUP"
+
+    run(scenario)
+
+
 def test_bad_or_duplicate_stream_index_refuses_only_that_socket() -> None:
     async def scenario() -> None:
         coordinator = AdmitAll()

@@ -377,6 +377,10 @@ class ConnectionGroups:
                 break  # an earlier socket's error closed the group
             if self._attach(data_sock, group):
                 self._drain(data_sock, now)
+        if key not in self._groups:
+            # The rest would wait for a group that is gone, with no deadline (it was lifted
+            # when the HELLO came): refuse them now.
+            self._refuse_attaching(key, "its group closed during admission")
         return self._take_wire()
 
     def refuse(self, conn: ConnId, error: ErrorMessage) -> list[WireCommand]:
