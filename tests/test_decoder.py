@@ -46,6 +46,7 @@ from yeto_proto import (
     decode_payload,
     encode_bytes,
 )
+from yeto_proto.decoder import HELD_BYTES_CAP
 from yeto_proto.frames import header
 
 MAGIC = struct.pack("<I", 0xD170C0DE)
@@ -662,6 +663,35 @@ def test_data_hello_checks() -> None:
         decoder = FrameDecoder(Role.SYNCER, num_learners=4)
         decoder.feed(frame)
         expect_error(decoder, code)
+
+
+def test_a_syncer_socket_reads_no_further_than_it_may_hold_before_its_limits() -> None:
+    """First the first frame exactly, then at most HELD_BYTES_CAP held bytes, then nothing."""
+    decoder = FrameDecoder(Role.SYNCER, num_learners=4)
+    scratch = memoryview(bytearray(8 * MiB))
+    frame = encode_bytes(DataHello(3, 9, 0))
+    taken = b""
+    while len(taken) < len(frame):  # header, then payload: never past the first frame
+        into, direct = decoder.next_read(scratch)
+        assert not direct and 0 < len(into) <= len(frame) - len(taken)
+        piece = frame[len(taken) : len(taken) + len(into)]
+        decoder.feed(piece)
+        taken += piece
+    assert decoder.frames() == [DataHello(3, 9, 0)]
+    beat = encode_bytes(Heartbeat(3, 7))
+    following = beat * (HELD_BYTES_CAP // len(beat) + 10)
+    held = 0
+    while True:
+        into, _ = decoder.next_read(scratch)
+        if not into:
+            break
+        piece = following[held : held + len(into)]
+        decoder.feed(piece)
+        held += len(piece)
+    assert held == HELD_BYTES_CAP
+    decoder.set_limits(limits())  # the held bytes decode now, and reads go on as usual
+    assert len(decoder.frames()) == HELD_BYTES_CAP // len(beat)
+    assert len(decoder.next_read(scratch)[0]) > 0
 
 
 # -- optional HELLO authentication ----------------------------------------------------------------

@@ -24,6 +24,7 @@ from yeto_proto import (
     FrameType,
     Heartbeat,
     Hello,
+    InitParams,
     Limits,
     MergeMode,
     PullReq,
@@ -157,6 +158,30 @@ def test_group_without_data_streams_is_ready_on_admission() -> None:
         ]
         assert coordinator.events[2] == MessageReceived(key, Heartbeat(0, 7))
         assert not control.hung_up
+
+    run(scenario)
+
+
+def test_bytes_beyond_what_may_be_held_before_admission_wait_and_then_arrive_whole() -> None:
+    """An INIT sent right behind the HELLO is read only up to the cap until admission."""
+
+    async def scenario() -> None:
+        coordinator = AdmitAll()
+        syncer = new_syncer(coordinator)
+        values = np.linspace(-1, 1, BIG, dtype="<f4")
+        control = syncer.connect()
+        control.write(
+            encode_bytes(make_hello(0, 1))
+            + encode_bytes(InitParams(0, values.view(np.uint8).data))
+            + encode_bytes(Heartbeat(0, 3))
+        )
+        control.close()  # its EOF too waits behind the bytes not read yet
+        await syncer.settle()
+        received = [e.message for e in coordinator.of_type(MessageReceived)]
+        assert [type(m) for m in received] == [InitParams, Heartbeat]
+        assert isinstance(received[0], InitParams)
+        np.testing.assert_array_equal(np.frombuffer(received[0].data, "<f4"), values)
+        assert coordinator.of_type(GroupClosed)
 
     run(scenario)
 

@@ -46,6 +46,9 @@ _KNOWN_TYPES = {int(t) for t in FrameType}
 
 #: A payload this large marks a bulk stream: see :meth:`FrameDecoder.header_wanted`.
 BULK_PAYLOAD = 64 << 10
+#: The most bytes a syncer's decoder holds after the first frame while it waits for the session
+#: limits; :meth:`FrameDecoder.next_read` then asks for no more (the reader stops reading).
+HELD_BYTES_CAP = 1 << 20
 
 
 class ChunkSink(Protocol):
@@ -323,12 +326,26 @@ class FrameDecoder:
         — just the next header after a bulk frame (so the payload behind it is read in place),
         else all of it; pass what was read to :meth:`feed`. Small payloads go through
         ``scratch``: one read then covers many frames.
+
+        A syncer's decoder without its session limits reads no further than the end of the
+        first frame, then holds at most :data:`HELD_BYTES_CAP` bytes: past that the view is
+        empty, and the reader must not read (TCP pushes back on the peer) until
+        :meth:`set_limits` or more room.
         """
         target = self.writable()
         if target is not None and len(target) >= BULK_PAYLOAD:
             return target, True
+        if self.receiver is Role.SYNCER and self._limits is None and self._error is None:
+            return scratch[: self._room_before_limits()], False
         wanted = self.header_wanted()
         return (scratch[:wanted] if wanted else scratch), False
+
+    def _room_before_limits(self) -> int:
+        if self._stash is not None:
+            return max(0, HELD_BYTES_CAP - len(self._stash))
+        if self._payload is None:
+            return self._head_size() - len(self._head)
+        return len(self._payload) - self._filled
 
     def placed_chunk(self) -> tuple[Chunk, int] | None:
         """The CHUNK whose data is being read in place, and how many of its bytes are in.

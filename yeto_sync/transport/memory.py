@@ -84,6 +84,8 @@ class MemoryTransport:
         self._next_conn = 1
         self.accepting = True
         self._scratch = memoryview(bytearray(MEMORY_READ_SIZE))
+        #: Bytes (and whether EOF follows) a socket may not read yet, per connection.
+        self._unread: dict[ConnId, tuple[bytes, bool]] = {}
 
     def connect(self) -> MemoryPeer:
         if not self.accepting:
@@ -100,14 +102,32 @@ class MemoryTransport:
         Each read is at most :data:`MEMORY_READ_SIZE` bytes, into the place
         :meth:`ConnectionGroups.next_read` names: large payloads in place, the rest through
         scratch. So in-place reads and everything that watches them run in these tests too.
+        A socket that may not read yet (held back until its group is settled) keeps the rest,
+        and its EOF, for later, as unread bytes stay in a TCP socket.
         """
+        if conn in self._unread:
+            held, eof = self._unread[conn]
+            self._unread[conn] = (held + data, eof or not data)
+        else:
+            self._unread[conn] = (data, not data)
+        self._read_unread()
+
+    def _read_unread(self) -> None:
+        for conn in list(self._unread):
+            data, eof = self._unread.pop(conn)
+            rest = self._read(conn, memoryview(data))
+            if rest:
+                self._unread[conn] = (bytes(rest), eof)
+            elif eof and self.groups.is_open(conn):
+                self._apply(self.groups.receive(conn, b"", self.clock.now()))
+
+    def _read(self, conn: ConnId, rest: memoryview) -> memoryview:
+        """Read ``rest`` into the syncer; what it may not read yet comes back."""
         now = self.clock.now()
-        if not data:
-            self._apply(self.groups.receive(conn, b"", now))
-            return
-        rest = memoryview(data)
         while rest and self.groups.is_open(conn):
             into, direct = self.groups.next_read(conn, self._scratch)
+            if not into:
+                return rest
             size = min(len(into), len(rest), MEMORY_READ_SIZE)
             into[:size] = rest[:size]
             rest = rest[size:]
@@ -115,6 +135,7 @@ class MemoryTransport:
                 self._apply(self.groups.receive_direct(conn, size, now))
             else:
                 self._apply(self.groups.receive(conn, into[:size], now))
+        return rest[:0]
 
     # -- events ----------------------------------------------------------------------------
     def poll_event(self) -> Event | None:
@@ -127,6 +148,7 @@ class MemoryTransport:
     # -- the Transport protocol ------------------------------------------------------------
     def admit(self, conn: ConnId, group: GroupKey, num_streams: int, limits: Limits) -> None:
         self._apply(self.groups.admit(conn, group, num_streams, limits, self.clock.now()))
+        self._read_unread()  # sockets of this group may read again
 
     def refuse(self, conn: ConnId, error: ErrorMessage) -> None:
         self._apply(self.groups.refuse(conn, error))

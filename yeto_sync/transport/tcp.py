@@ -59,6 +59,8 @@ SEND_STALL_TIMEOUT_S = 60.0
 LINGER_S = 2.0
 MAX_EVENT_BACKLOG = 1024
 LISTEN_BACKLOG = 512
+#: How often a socket that may not read yet (its group is not settled) looks again.
+HELD_BACK_POLL_S = 0.01
 #: iovecs per sendmsg call (Linux allows 1024).
 IOV_BATCH = 512
 #: After a write of at least this many bytes a writer lets the other sockets' tasks run.
@@ -425,6 +427,11 @@ class TcpTransport:
             while True:
                 # Large payloads are read straight into their frame's buffer (no copy).
                 into, direct = self.groups.next_read(conn, view)
+                if not into:
+                    # The socket holds all it may before its group is settled: read nothing
+                    # (TCP pushes back on the peer) until admission or the attach deadline.
+                    await anyio.sleep(HELD_BACK_POLL_S)
+                    continue
                 try:
                     size = sock.recv_into(into)
                 except (BlockingIOError, InterruptedError):
