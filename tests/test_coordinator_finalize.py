@@ -122,6 +122,15 @@ def ack(sim: Sim, key: Any, step: int = 4) -> list[Any]:
     return sim.message(key, FinalAck(step))
 
 
+def shutdowns_in(actions: list[Any]) -> list[GroupKey]:
+    return [x.group for x in actions if isinstance(x, Send) and isinstance(x.message, Shutdown)]
+
+
+def cut_sent_to(sim: Sim, key: GroupKey) -> list[type]:
+    """The kinds of terminal messages ``key`` was sent, in order."""
+    return [type(m) for m in sim.sends_to(key) if isinstance(m, FinalFragment | FinalManifest)]
+
+
 def test_all_acks_then_shutdown_and_exit_zero() -> None:
     sim = session()
     a, b = sim.learners[0], sim.learners[1]
@@ -130,10 +139,7 @@ def test_all_acks_then_shutdown_and_exit_zero() -> None:
 
     actions = ack(sim, b.key)
 
-    shutdowns = [
-        x.group for x in actions if isinstance(x, Send) and isinstance(x.message, Shutdown)
-    ]
-    assert shutdowns == [a.key, b.key]
+    assert shutdowns_in(actions) == [a.key, b.key]
     assert actions[-1] == Exit(0, "finalized at global step 4")
 
 
@@ -175,8 +181,7 @@ def test_pending_learner_reconnects_gets_the_full_cut_and_acks() -> None:
 
     fresh = b.connect()
 
-    cut = [m for m in sim.sends_to(fresh) if isinstance(m, FinalFragment | FinalManifest)]
-    assert [type(m) for m in cut] == [FinalFragment, FinalFragment, FinalManifest]
+    assert cut_sent_to(sim, fresh) == [FinalFragment, FinalFragment, FinalManifest]
     actions = ack(sim, fresh)
     assert actions[-1] == Exit(0, "finalized at global step 4")
 
@@ -189,15 +194,8 @@ def test_accepted_ack_survives_a_disconnect_and_shutdown_skips_closed_generation
 
     actions = ack(sim, b.key)
 
-    shutdowns = [
-        x.group for x in actions if isinstance(x, Send) and isinstance(x.message, Shutdown)
-    ]
-    assert shutdowns == [b.key]
+    assert shutdowns_in(actions) == [b.key]
     assert sim.exit == Exit(0, "finalized at global step 4")
-
-
-def shutdowns_in(actions: list[Any]) -> list[GroupKey]:
-    return [x.group for x in actions if isinstance(x, Send) and isinstance(x.message, Shutdown)]
 
 
 def test_acked_learner_that_reconnects_gets_the_cut_again_and_its_shutdown() -> None:
@@ -208,8 +206,7 @@ def test_acked_learner_that_reconnects_gets_the_cut_again_and_its_shutdown() -> 
     a.disconnect()
     fresh = a.connect()
 
-    cut = [m for m in sim.sends_to(fresh) if isinstance(m, FinalFragment | FinalManifest)]
-    assert [type(m) for m in cut] == [FinalFragment, FinalFragment, FinalManifest]
+    assert cut_sent_to(sim, fresh) == [FinalFragment, FinalFragment, FinalManifest]
     ack(sim, b.key)
     assert sim.exit is None  # the new generation has not acknowledged yet
 
@@ -302,10 +299,7 @@ def test_missing_ack_fails_after_the_timeout() -> None:
 
     assert sim.exit is not None and sim.exit.code != 0
     assert "[1]" in sim.exit.reason
-    shutdowns = [
-        x.group for x in sim.actions if isinstance(x, Send) and isinstance(x.message, Shutdown)
-    ]
-    assert shutdowns == [a.key]
+    assert shutdowns_in(sim.actions) == [a.key]
 
 
 def test_final_ack_timeout_defaults_to_the_quorum_timeout() -> None:
