@@ -17,8 +17,10 @@ Every wait is bounded:
 - each socket's writer is the only task that writes to it and writes one whole frame at a time
   inside a shielded cancel scope, so cancellation never leaves half a frame followed by more
   bytes; a write that makes no progress for ``stall_timeout`` seconds drops the group;
-- per-socket send queues hold at most ``send_queue_bytes``: the driver's ``send`` waits for room
-  (backpressure), at most ``stall_timeout`` seconds, then drops that group;
+- the driver's ``send`` never waits for a learner: it appends to the group's outbox, where a
+  newer BCAST of a fragment replaces one not queued yet; the group's own task cuts messages into
+  frames for per-socket send queues of at most ``send_queue_bytes`` and waits for room
+  (backpressure) at most ``stall_timeout`` seconds, then drops that group;
 - readers stop reading (TCP pushes back on the peer) while more than ``MAX_EVENT_BACKLOG``
   events wait for the driver;
 - a closing socket sends its last frame (an ERROR, say), half-closes and lingers at most
@@ -42,7 +44,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from yeto_proto import AnyMessage, ErrorMessage, Limits, encode
+from yeto_proto import AnyMessage, BcastFragment, ErrorMessage, Limits, encode
 from yeto_proto.frames import Buffers, OutgoingBuffers
 
 from ..events import ConnId, Event, GroupKey
@@ -174,6 +176,42 @@ class _Peer:
     frame_scope: anyio.CancelScope | None = None
 
 
+@dataclass(eq=False)
+class _Outbox:
+    """A group's messages not yet cut into frames, fed to its sockets' queues by its own task.
+
+    The driver only appends here, so a learner whose queues are full never holds up the
+    coordinator (and through it every other learner); the feeding task waits for room instead.
+    """
+
+    pending: deque[tuple[AnyMessage, PayloadProgress | None]] = field(default_factory=deque)
+    changed: anyio.Event = field(default_factory=anyio.Event)
+    #: A message is being cut into frames and queued (its queue may be waiting for room).
+    busy: bool = False
+    #: Set once nothing more is fed: the group closed, a queue stalled, or shutdown.
+    done: bool = False
+
+    @property
+    def settled(self) -> bool:
+        """Nothing left to queue."""
+        return self.done or not (self.pending or self.busy)
+
+    def add(self, message: AnyMessage, progress: PayloadProgress | None) -> None:
+        if isinstance(message, BcastFragment):
+            # A learner keeps only the newest version of a fragment: an older BCAST that is
+            # still waiting here (none of its bytes queued) is dropped rather than sent.
+            self.pending = deque(
+                item
+                for item in self.pending
+                if not (
+                    isinstance(item[0], BcastFragment)
+                    and item[0].fragment_id == message.fragment_id
+                )
+            )
+        self.pending.append((message, progress))
+        self.changed.set()
+
+
 def _address_text(address: object) -> str:
     if isinstance(address, tuple) and len(address) >= 2:
         host, port = address[0], address[1]
@@ -232,6 +270,7 @@ class TcpTransport:
         #: The most bytes a socket waits for before an in-place read (1: every segment).
         self.read_watermark = read_watermark
         self._peers: dict[ConnId, _Peer] = {}
+        self._outboxes: dict[GroupKey, _Outbox] = {}
         self._recv_view = memoryview(bytearray(RECV_BUFFER_SIZE))
         self._next_conn = 1
         self._arrived = anyio.Event()
@@ -323,7 +362,46 @@ class TcpTransport:
     async def send(
         self, group: GroupKey, message: AnyMessage, progress: PayloadProgress | None = None
     ) -> None:
-        for transmit in self.groups.route(group, message, progress):
+        """Queue ``message`` for ``group`` without waiting for that learner (:class:`_Outbox`)."""
+        if not self.groups.has_group(group):
+            return
+        outbox = self._outboxes.get(group)
+        if outbox is None or outbox.done:
+            outbox = self._outboxes[group] = _Outbox()
+            self._tg.start_soon(self._feed, group, outbox)
+        outbox.add(message, progress)
+        await anyio.lowlevel.checkpoint()
+
+    async def _feed(self, group: GroupKey, outbox: _Outbox) -> None:
+        """Cut the group's messages into frames, in order, into its sockets' bounded queues."""
+        try:
+            while True:
+                while not outbox.pending:
+                    if self._shutting_down or not self.groups.has_group(group):
+                        return  # shutting down: nothing new is sent after the last message
+                    outbox.changed = anyio.Event()
+                    with anyio.move_on_after(1.0):  # also notices a group that closed
+                        await outbox.changed.wait()
+                message, progress = outbox.pending.popleft()
+                outbox.busy = True
+                queued = await self._queue(group, message, progress)
+                outbox.busy = False
+                if not queued:
+                    return
+        finally:
+            outbox.done = True
+            outbox.pending.clear()
+            if self._outboxes.get(group) is outbox:
+                del self._outboxes[group]
+
+    async def _queue(
+        self, group: GroupKey, message: AnyMessage, progress: PayloadProgress | None
+    ) -> bool:
+        """Queue one message's frames; False once the group is gone."""
+        transmits = self.groups.route(group, message, progress)
+        if not transmits:
+            return self.groups.has_group(group)
+        for transmit in transmits:
             peer = self._peers.get(transmit.conn)
             if peer is None:
                 continue
@@ -333,15 +411,23 @@ class TcpTransport:
             if waited.cancelled_caught:
                 reason = f"send queue full for {self.stall_timeout:g} s"
                 self._apply(self.groups.lost(transmit.conn, reason))
-                return
+                return False
             if not queued:
-                return  # the group closed while we waited
+                return False  # the group closed while we waited
+        return True
 
     async def shutdown(self, grace: float) -> None:
         """Stop accepting, let queued frames drain for ``grace`` seconds, then cut the rest."""
         if not self._shutting_down:
             self._shutting_down = True
             self._accept_scope.cancel()  # the accept loop closes the listener on its way out
+            # Messages the driver sent last (the final cut, SHUTDOWN) are queued before the
+            # queues close, within the grace.
+            with anyio.move_on_after(grace):
+                while not all(box.settled for box in self._outboxes.values()):
+                    await anyio.sleep(0.01)
+            for box in self._outboxes.values():
+                box.changed.set()
             for peer in self._peers.values():
                 peer.queue.close(discard=False)
         if self._peers:
