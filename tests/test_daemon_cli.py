@@ -16,9 +16,15 @@ import numpy as np
 import pytest
 from daemon_harness import REPO, Daemon, error_code, wait_until
 from scripted_learner import LearnerGroup, ScriptedLearner, SessionSpec, SyncerError
+from test_checkpoint import make_checkpoint
 
 from yeto_proto import MergeMode, WireDtype, WireFragment, WireLayout
-from yeto_proto.checkpoint import read_checkpoint, write_final_marker
+from yeto_proto.checkpoint import (
+    read_checkpoint,
+    write_checkpoint,
+    write_final_marker,
+)
+from yeto_proto.constants import IsoBackend
 
 LAYOUT = WireLayout((WireFragment(MergeMode.AVG, (4096,)), WireFragment(MergeMode.AVG, (64,))))
 SPEC = SessionSpec(WireDtype.BF16, LAYOUT, bytes(range(32)), bytes(range(64, 96)))
@@ -139,6 +145,23 @@ def test_refuses_to_start_beside_an_earlier_runs_final_marker(tmp_path: Path) ->
     assert result.returncode == 2
     (line,) = result.stderr.splitlines()
     assert "final marker" in line and not checkpoint.exists()
+
+
+@pytest.mark.parametrize("kind", ["backend", "V1"])
+def test_a_checkpoint_no_hello_could_resume_is_refused_at_start(tmp_path: Path, kind: str) -> None:
+    checkpoint = tmp_path / "ckpt"
+    if kind == "V1":  # the conformance suite's V1 file: nothing writes V1 any more
+        checkpoint.write_bytes((REPO / "conformance" / "checkpoints" / "v1_full.bin").read_bytes())
+        words = "V1 checkpoints never resume"
+    else:
+        write_checkpoint(checkpoint, make_checkpoint(iso_backend=IsoBackend.TORCH_SVD))
+        words = "iso backend torch-svd"
+    result = yeto_sync(
+        "--learners=1", "--total-steps=9", f"--checkpoint-path={checkpoint}", "--resume"
+    )
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("yeto-sync: error: --resume: ") and words in line
 
 
 @pytest.mark.parametrize("signals", [1, 2])
