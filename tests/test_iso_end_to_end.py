@@ -304,7 +304,7 @@ def test_a_hanging_worker_fails_the_run_and_the_last_good_checkpoint_resumes(
     )
     assert scalar.returncode == 2, scalar.stderr
     (line,) = scalar.stderr.splitlines()
-    assert "iso backend torch-svd, this syncer runs scalar" in line
+    assert "iso backend torch-svd in the checkpoint, scalar running" in line
     assert read_checkpoint(checkpoint).global_step == 2
 
     # A torch-svd syncer without the fault resumes it and finishes the run.

@@ -24,7 +24,7 @@ from typing import NoReturn
 import anyio
 import anyio.abc
 
-from yeto_proto.checkpoint import Checkpoint, CheckpointFormat, iso_backend_name, read_checkpoint
+from yeto_proto.checkpoint import Checkpoint, backend_refusal, read_checkpoint
 from yeto_proto.checkpoint.marker import marker_path
 from yeto_proto.constants import IsoBackend
 from yeto_proto.errors import ProtocolError
@@ -295,15 +295,9 @@ def load_resume_checkpoint(config: SyncerConfig) -> Checkpoint | None:
     except ProtocolError as exc:
         raise BadInput(f"--resume: cannot read checkpoint {path}: {exc}") from None
     # What the first HELLO cannot change is refused now, with the reason it would give then.
-    if checkpoint.format is CheckpointFormat.V1:
-        raise BadInput(f"--resume: {path}: V1 checkpoints never resume (no iso backend recorded)")
-    if checkpoint.iso_backend is not config.iso_backend:
-        recorded = checkpoint.iso_backend
-        raise BadInput(
-            f"--resume: {path} was written with iso backend "
-            f"{'none' if recorded is None else iso_backend_name(recorded)}, this syncer runs "
-            f"{iso_backend_name(config.iso_backend)}"
-        )
+    refusal = backend_refusal(checkpoint, config.iso_backend)
+    if refusal is not None:
+        raise BadInput(f"--resume: {path}: {refusal}")
     return checkpoint
 
 

@@ -41,6 +41,22 @@ def _refuse(reason: str) -> ResumeDecision:
     return ResumeDecision(eligible=False, reason=reason)
 
 
+def backend_refusal(checkpoint: Checkpoint, iso_backend: IsoBackend) -> str | None:
+    """Checks 1 and 2, which need no HELLO: the reason this syncer can never resume it, or None.
+
+    A daemon can run them at start; :func:`resume_decision` runs them first.
+    """
+    if checkpoint.format is CheckpointFormat.V1:
+        return "V1 checkpoints never resume: they do not record the iso backend"
+    if checkpoint.iso_backend is not IsoBackend(iso_backend):
+        recorded = checkpoint.iso_backend
+        return (
+            f"iso backend {iso_backend_name(recorded) if recorded is not None else 'none'} in "
+            f"the checkpoint, {iso_backend_name(iso_backend)} running"
+        )
+    return None
+
+
 def resume_decision(
     checkpoint: Checkpoint,
     *,
@@ -51,14 +67,9 @@ def resume_decision(
 ) -> ResumeDecision:
     """Decide whether ``checkpoint`` may seed a session with this backend, HELLO and contract."""
     fmt = checkpoint.format
-    if fmt is CheckpointFormat.V1:
-        return _refuse("V1 checkpoints never resume: they do not record the iso backend")
-    if checkpoint.iso_backend is not IsoBackend(iso_backend):
-        recorded = checkpoint.iso_backend
-        return _refuse(
-            f"iso backend {iso_backend_name(recorded) if recorded is not None else 'none'} in "
-            f"the checkpoint, {iso_backend_name(iso_backend)} running"
-        )
+    refusal = backend_refusal(checkpoint, iso_backend)
+    if refusal is not None:
+        return _refuse(refusal)
     if fmt is CheckpointFormat.V3:
         if checkpoint.fingerprint != fingerprint:
             return _refuse("V3 layout fingerprint differs from the accepted HELLO fingerprint")
