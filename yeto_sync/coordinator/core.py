@@ -539,8 +539,11 @@ class Coordinator:
     def _finish_if_delivered(self, out: list[Action]) -> None:
         """SHUTDOWN and exit 0 once every frozen learner's ACK is in (see :mod:`.finalize`)."""
         final = self._final
-        if final is None or not final.complete(self._registry.is_current):
-            return
+        if final is not None and final.complete(self._registry.is_current):
+            self._finalized(final, out)
+
+    def _finalized(self, final: Finalization, out: list[Action]) -> None:
+        """SHUTDOWN to every open generation whose ACK stands, then exit 0."""
         out.extend(final.shutdown_sends(self._registry.is_open))
         out.append(CancelTimer(FINAL_ACK_TIMER))
         self._finish(EXIT_OK, f"finalized at global step {final.final_step}", out)
@@ -679,7 +682,6 @@ class Coordinator:
         final = self._final
         if final is None or final.complete(self._registry.is_current):
             return
-        out.extend(final.shutdown_sends(self._registry.is_open))
         pending = sorted(final.pending)
         if not pending:
             # Every learner's ACK stands; only a reconnected generation's repeat is missing.
@@ -691,8 +693,9 @@ class Coordinator:
                     {"members": [_member_fields(group) for group in awaited]},
                 )
             )
-            self._finish(EXIT_OK, f"finalized at global step {final.final_step}", out)
+            self._finalized(final, out)
             return
+        out.extend(final.shutdown_sends(self._registry.is_open))
         self._fail(
             f"FINAL_ACK missing from learners {pending} after "
             f"{self.config.final_ack_timeout} s (the final checkpoint is intact)",
