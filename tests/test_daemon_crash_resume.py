@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ import pytest
 from daemon_harness import REPO, Daemon, wait_until
 from numpy.typing import NDArray
 from scripted_learner import GroupClosed, LearnerGroup, SessionSpec, SyncerError
+from syncer_process import free_port
 
 from yeto_proto import (
     AnyMessage,
@@ -262,13 +262,6 @@ CASES = [
     Case("every-4-paused-bf16-striped", SMALL_LAYOUT, WireDtype.BF16, 2, 4, pause_at=7),
     Case("every-1-writing-q4", BIG_LAYOUT, WireDtype.Q4, 1, 1, None, push_delay_s=0.03),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def daemon_flags(case: Case, checkpoint: Path, port: int) -> list[str]:

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 from numpy.typing import NDArray
-from syncer_process import REPO, child_env, running_syncer
+from syncer_process import REPO, child_env, free_port, running_syncer
 
 from yeto_learn import FinishTimeout, Learner
 from yeto_learn.cli import main as yeto_main
@@ -360,12 +360,6 @@ def test_a_severed_learner_redials_with_a_new_generation_and_the_session_finishe
         assert_holds_checkpoint(trained.model, trained.learner.layout, checkpoint)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _committed_steps(tape: Path) -> list[int]:
     if not tape.exists():
         return []
@@ -382,7 +376,7 @@ def test_learners_carry_on_when_the_syncer_resumes_from_an_older_checkpoint(
     checkpoint); they must take its older state as their anchors, answer its pulls, and finish
     holding its final checkpoint.
     """
-    port = _free_port()
+    port = free_port()
     directory = tmp_path / "syncer"
     extra = ["--port", str(port), "--checkpoint-every", "4", "--sync-interval-steps", "8"]
     results: dict[int, Trained] = {}
