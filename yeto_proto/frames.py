@@ -11,10 +11,10 @@ from typing import Any
 
 from construct import ConstructError, StreamError, TerminatedError
 
-from .constants import FRAME_MAGIC, PROTOCOL_VERSION, FrameType, WireDtype
+from .constants import FRAME_MAGIC, PROTOCOL_VERSION, FrameType
 from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from .hello_reader import read_hello
 from .identity import sign_hello, verify_hello
-from .layout import WireFragment, WireLayout
 from .limits import Limits
 from .messages import (
     MESSAGE_CLASSES,
@@ -219,27 +219,6 @@ def _parse_with_schema(frame_type: FrameType, payload: memoryview, **context: An
         ) from None
 
 
-def _hello_from(parsed: Any) -> Hello:
-    fragments = tuple(
-        WireFragment(
-            f.merge_mode,
-            tuple(f.numels),
-            tuple((s.rows, s.cols) for s in f.matrix_shapes) if f.matrix_shapes else (),
-        )
-        for f in parsed.fragments
-    )
-    return Hello(
-        learner_id=parsed.learner_id,
-        generation=parsed.connection_generation,
-        dtype=WireDtype(parsed.dtype),
-        layout=WireLayout(fragments),
-        layout_fingerprint=parsed.layout_fingerprint,
-        session_contract=parsed.session_contract_hash,
-        num_streams=parsed.num_streams,
-        profile_hash=parsed.syncer_profile_hash,
-    )
-
-
 def decode_payload(
     frame_type: FrameType,
     payload: memoryview,
@@ -268,7 +247,7 @@ def _decode_payload(
     match frame_type:
         case FrameType.HELLO:
             body = verify_hello(hello_key, payload) if hello_key is not None else payload
-            return _hello_from(_parse_with_schema(frame_type, body, num_learners=num_learners))
+            return read_hello(body, num_learners=num_learners)
         case FrameType.DATA_HELLO:
             p = _parse_with_schema(frame_type, payload, num_learners=num_learners)
             return DataHello(p.learner_id, p.connection_generation, p.stream_idx)

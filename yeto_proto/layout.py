@@ -33,10 +33,11 @@ class WireFragment:
     matrix_shapes: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "merge_mode", MergeMode(self.merge_mode))
+        if type(self.merge_mode) is not MergeMode:
+            object.__setattr__(self, "merge_mode", MergeMode(self.merge_mode))
         if not self.numels:
             raise LocalProtocolError(ErrorCode.EMPTY_FRAGMENT, "a fragment needs a tensor")
-        if any(n <= 0 or n > _U64_MAX for n in self.numels):
+        if min(self.numels) <= 0 or max(self.numels) > _U64_MAX:
             raise LocalProtocolError(ErrorCode.ZERO_NUMEL, "every numel must be in 1..2^64-1")
         if sum(self.numels) > _U64_MAX:
             raise LocalProtocolError(ErrorCode.SIZE_OVERFLOW, "fragment numel overflows u64")

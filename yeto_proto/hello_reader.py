@@ -1,0 +1,188 @@
+"""HELLO payloads read with ``struct``, field by field as :data:`~yeto_proto.schema.HelloPayload`
+declares them.
+
+Why not the schema itself: a first frame may legally hold 16 MiB of layout, about 1.29 million
+minimal fragments, and construct walks them one Python object at a time (about 30 s and 450 MiB
+on the syncer's event loop, before any session check can refuse the peer). This reader makes the
+same checks in the same order with the same codes and messages; ``tests/test_hello_reader.py``
+holds it to the schema on the conformance vectors and on generated and mutated payloads.
+
+Fragments whose bytes are identical share one :class:`~yeto_proto.layout.WireFragment`, so a
+layout costs memory per *distinct* fragment and the common case (many fragments of the same
+shape) stays small.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NoReturn
+
+import numpy as np
+
+from .constants import DIGEST_SIZE, MAX_STREAMS, PROTOCOL_VERSION, MergeMode, WireDtype
+from .errors import ErrorCode, RemoteProtocolError
+from .layout import WireFragment, WireLayout
+from .messages import BytesLike, Hello
+from .schema import MAX_FRAGMENT_NUMEL
+
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_FRAGMENT_HEAD = struct.Struct("<BI")  # merge_mode, num_tensors
+#: The smallest fragment record: merge_mode, num_tensors and one numel.
+_MIN_FRAGMENT_BYTES = 13
+_ISO = int(MergeMode.ISO)
+_MODES = tuple(MergeMode(value) for value in range(_ISO + 1))  # indexed by the wire value
+_DTYPES = frozenset(int(d) for d in WireDtype)
+_TAIL_WITHOUT_PROFILE = 2
+_TAIL_WITH_PROFILE = 2 + DIGEST_SIZE
+
+
+def _refuse(code: ErrorCode, message: str) -> RemoteProtocolError:
+    return RemoteProtocolError(code, f"HELLO: {message}")
+
+
+def _truncated() -> RemoteProtocolError:
+    return _refuse(ErrorCode.TRUNCATED_PAYLOAD, "payload ends inside a field")
+
+
+class _Cursor:
+    """Reads little-endian integers from ``data`` and raises TRUNCATED_PAYLOAD past its end."""
+
+    __slots__ = ("data", "end", "pos")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.end = len(data)
+        self.pos = 0
+
+    def remaining(self) -> int:
+        return self.end - self.pos
+
+    def take(self, layout: struct.Struct) -> int:
+        if self.pos + layout.size > self.end:
+            raise _truncated()
+        (value,) = layout.unpack_from(self.data, self.pos)
+        self.pos += layout.size
+        return int(value)
+
+    def take_bytes(self, size: int) -> bytes:
+        if self.pos + size > self.end:
+            raise _truncated()
+        self.pos += size
+        return self.data[self.pos - size : self.pos]
+
+
+def read_hello(payload: BytesLike, *, num_learners: int | None = None) -> Hello:
+    """Decode a HELLO payload (after any HMAC was checked and stripped) or raise its error code.
+
+    ``num_learners`` bounds ``learner_id`` when given, as the schema's ``num_learners`` does.
+    """
+    cursor = _Cursor(bytes(payload))
+    if cursor.take(_U16) != PROTOCOL_VERSION:
+        raise _refuse(ErrorCode.UNSUPPORTED_VERSION, "protocol_version is not 4")
+    learner_id = cursor.take(_U32)
+    if num_learners is not None and learner_id >= num_learners:
+        raise _refuse(ErrorCode.LEARNER_ID_OUT_OF_RANGE, "learner_id outside 0..M-1")
+    generation = cursor.take(_U64)
+    if generation == 0:
+        raise _refuse(ErrorCode.ZERO_GENERATION, "generation 0")
+    dtype = cursor.take(_U8)
+    if dtype not in _DTYPES:
+        raise _refuse(ErrorCode.BAD_DTYPE, "dtype not 1, 2 or 3")
+    num_fragments = cursor.take(_U32)
+    if num_fragments < 1:
+        raise _refuse(ErrorCode.NO_FRAGMENTS, "num_fragments = 0")
+    if num_fragments * _MIN_FRAGMENT_BYTES > cursor.remaining():
+        raise _refuse(ErrorCode.TRUNCATED_PAYLOAD, "fragments exceed the payload")
+    fragments = _read_fragments(cursor, num_fragments)
+    layout_fingerprint = cursor.take_bytes(DIGEST_SIZE)
+    session_contract = cursor.take_bytes(DIGEST_SIZE)
+    tail = cursor.remaining()
+    if tail not in (_TAIL_WITHOUT_PROFILE, _TAIL_WITH_PROFILE):
+        raise _refuse(
+            ErrorCode.BAD_HELLO_TAIL, "after the contract exactly 2 or 34 bytes must remain"
+        )
+    profile_hash = cursor.take_bytes(DIGEST_SIZE) if tail == _TAIL_WITH_PROFILE else None
+    num_streams = cursor.take(_U16)
+    if num_streams > MAX_STREAMS:
+        raise _refuse(ErrorCode.TOO_MANY_STREAMS, "> 256")
+    return Hello(
+        learner_id=learner_id,
+        generation=generation,
+        dtype=WireDtype(dtype),
+        layout=WireLayout(fragments),
+        layout_fingerprint=layout_fingerprint,
+        session_contract=session_contract,
+        num_streams=num_streams,
+        profile_hash=profile_hash,
+    )
+
+
+def _read_fragments(cursor: _Cursor, count: int) -> tuple[WireFragment, ...]:
+    data, end = cursor.data, cursor.end
+    read_head = _FRAGMENT_HEAD.unpack_from
+    seen: dict[bytes, WireFragment] = {}
+    fragments: list[WireFragment] = []
+    pos = cursor.pos
+    for _ in range(count):
+        start = pos
+        if start + _FRAGMENT_HEAD.size > end:
+            _refuse_short_head(cursor, start)
+        merge_mode, num_tensors = read_head(data, start)
+        if merge_mode > _ISO:
+            raise _refuse(ErrorCode.BAD_MERGE_MODE, "merge_mode > 2")
+        if num_tensors < 1:
+            raise _refuse(ErrorCode.EMPTY_FRAGMENT, "num_tensors = 0")
+        pos = start + _FRAGMENT_HEAD.size
+        if num_tensors * 8 > end - pos:
+            raise _refuse(ErrorCode.TRUNCATED_PAYLOAD, "numels exceed the payload")
+        record_end = pos + num_tensors * (24 if merge_mode == _ISO else 8)
+        record = data[start:record_end]
+        fragment = seen.get(record)
+        if fragment is None:
+            cursor.pos = pos
+            fragment = _decode_fragment(cursor, merge_mode, num_tensors)
+            seen[record] = fragment
+        pos = record_end
+        fragments.append(fragment)
+    cursor.pos = pos
+    return tuple(fragments)
+
+
+def _refuse_short_head(cursor: _Cursor, start: int) -> NoReturn:
+    """A fragment head cut short: the schema still checks a merge_mode it could read."""
+    cursor.pos = start
+    if cursor.take(_U8) > _ISO:
+        raise _refuse(ErrorCode.BAD_MERGE_MODE, "merge_mode > 2")
+    raise _truncated()
+
+
+def _decode_fragment(cursor: _Cursor, merge_mode: int, num_tensors: int) -> WireFragment:
+    """The rest of one fragment record (numels, then iso shapes), checked in schema order."""
+    numels_at = cursor.pos
+    if num_tensors == 1:
+        numels: tuple[int, ...] = (_U64.unpack_from(cursor.data, numels_at)[0],)
+    else:
+        numels = tuple(
+            np.frombuffer(cursor.data, dtype="<u8", count=num_tensors, offset=numels_at).tolist()
+        )
+    if min(numels) == 0:
+        raise _refuse(ErrorCode.ZERO_NUMEL, "a tensor numel is 0")
+    if sum(numels) > MAX_FRAGMENT_NUMEL:
+        raise _refuse(ErrorCode.SIZE_OVERFLOW, "fragment size overflows u64")
+    shapes_at = numels_at + 8 * num_tensors
+    if merge_mode != _ISO:
+        return WireFragment(_MODES[merge_mode], numels)
+    if num_tensors * 16 > cursor.end - shapes_at:
+        raise _refuse(ErrorCode.TRUNCATED_PAYLOAD, "iso shapes exceed the payload")
+    flat = np.frombuffer(cursor.data, dtype="<u8", count=2 * num_tensors, offset=shapes_at)
+    pairs = flat.reshape(num_tensors, 2).tolist()
+    shapes = tuple((rows, cols) for rows, cols in pairs)
+    if not all(
+        rows > 0 and cols > 0 and rows * cols == numel
+        for (rows, cols), numel in zip(shapes, numels, strict=True)
+    ):
+        raise _refuse(ErrorCode.BAD_ISO_SHAPE, "iso rows*cols must equal numel, both > 0")
+    return WireFragment(MergeMode.ISO, numels, shapes)
