@@ -218,3 +218,13 @@ def test_a_16_mib_hello_of_minimal_fragments_decodes_in_little_memory() -> None:
         tracemalloc.stop()
     assert len(hello.layout) == num_fragments
     assert peak < 64 * 2**20, f"peak {peak / 2**20:.0f} MiB"
+
+
+def test_records_beyond_the_shared_table_still_decode_each_on_their_own() -> None:
+    numels = [*range(1, 5001), 4999, 4999, 7, 5000]
+    records = b"".join(struct.pack("<BIQ", MergeMode.RDA, 1, n) for n in numels)
+    head = struct.pack("<HIQBI", 4, 0, 1, WireDtype.BF16, len(numels))
+    hello = read_hello(head + records + bytes(64) + struct.pack("<H", 3))
+    assert [f.numels for f in hello.layout.fragments] == [(n,) for n in numels]
+    assert {f.merge_mode for f in hello.layout.fragments} == {MergeMode.RDA}
+    assert hello.num_streams == 3

@@ -7,9 +7,9 @@ on the syncer's event loop, before any session check can refuse the peer). This 
 same checks in the same order with the same codes and messages; ``tests/test_hello_reader.py``
 holds it to the schema on the conformance vectors and on generated and mutated payloads.
 
-Fragments whose bytes are identical share one :class:`~yeto_proto.layout.WireFragment`, so a
-layout costs memory per *distinct* fragment and the common case (many fragments of the same
-shape) stays small.
+Fragments whose bytes are identical share one :class:`~yeto_proto.layout.WireFragment` (among
+the first few thousand distinct records), so the common case, many fragments of a few shapes,
+costs a pointer per fragment rather than an object.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ _MIN_FRAGMENT_BYTES = 13
 _ISO = int(MergeMode.ISO)
 _MODES = tuple(MergeMode(value) for value in range(_ISO + 1))  # indexed by the wire value
 _DTYPES = frozenset(int(d) for d in WireDtype)
+#: Distinct fragment records remembered for sharing. Real layouts repeat a few shapes; a layout
+#: of all-distinct records would only pay for the table.
+_SHARED_RECORDS_MAX = 4096
 _TAIL_WITHOUT_PROFILE = 2
 _TAIL_WITH_PROFILE = 2 + DIGEST_SIZE
 
@@ -144,7 +147,8 @@ def _read_fragments(cursor: _Cursor, count: int) -> tuple[WireFragment, ...]:
         if fragment is None:
             cursor.pos = pos
             fragment = _decode_fragment(cursor, merge_mode, num_tensors)
-            seen[record] = fragment
+            if len(seen) < _SHARED_RECORDS_MAX:
+                seen[record] = fragment
         pos = record_end
         fragments.append(fragment)
     cursor.pos = pos
