@@ -3,6 +3,7 @@ layout proof for export. The byte-level golden cases live in conformance/test_ch
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from yeto_proto.checkpoint import (
     write_checkpoint,
     write_final_marker,
 )
+from yeto_proto.checkpoint import reader as reader_module
 from yeto_proto.constants import IsoBackend, MergeMode
 from yeto_proto.errors import CheckpointError, ErrorCode, LocalProtocolError
 from yeto_proto.layout import FragmentSpec, Layout, TensorSpec
@@ -360,6 +362,35 @@ def test_reader_refuses_a_missing_file_and_a_directory(tmp_path: Path) -> None:
         assert caught.value.section == "open" and str(path) in str(caught.value)
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+@pytest.mark.timeout(20)
+def test_a_fifo_is_refused_rather_than_waited_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "c.bin"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError) as caught:
+        read_checkpoint(fifo)
+    assert caught.value.code is ErrorCode.CKPT_IO and "not a regular file" in str(caught.value)
+    os.mkfifo(tmp_path / "c.bin.final")
+    state = marker_state(fifo, 5)
+    assert state.status is MarkerStatus.INVALID and "not a regular file" in state.detail
+
+
+def test_a_checkpoint_too_large_for_memory_is_a_coded_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "c.bin"
+    write_checkpoint(path, make_checkpoint())
+
+    def no_memory(*args: object, **kwargs: object) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(reader_module.np, "empty", no_memory)
+    with pytest.raises(CheckpointError) as caught:
+        read_checkpoint(path)
+    assert caught.value.code is ErrorCode.CKPT_IO and "not enough memory" in str(caught.value)
+    assert str(path) in str(caught.value)
+
+
 def test_atomic_small_write_replaces_and_cleans_up(tmp_path: Path) -> None:
     target = tmp_path / "f"
     write_bytes_atomically(target, b"one")
@@ -420,6 +451,15 @@ UNGROUPED = wire(((6,), (2,), (4,)))
 GROUPED = wire(((3, 3), (2,), (4,)))
 
 
+def with_value(checkpoint: Checkpoint, fragment: int, array: str, value: float) -> Checkpoint:
+    """``checkpoint`` with one value of one fragment's params or momentum replaced."""
+    changed = getattr(checkpoint.fragments[fragment], array).copy()
+    changed[-1] = value
+    fragments = list(checkpoint.fragments)
+    fragments[fragment] = dataclasses.replace(fragments[fragment], **{array: changed})
+    return dataclasses.replace(checkpoint, fragments=tuple(fragments))
+
+
 def decide(checkpoint: Checkpoint, **overrides: Any) -> Any:
     arguments: dict[str, Any] = {
         "iso_backend": IsoBackend.SCALAR,
@@ -455,6 +495,8 @@ def legacy(fmt: CheckpointFormat, **kw: Any) -> Checkpoint:
         (make_checkpoint(global_step=0, versions=(0, 0, 1)), {}, "fragment 2 is at version 1"),
         (make_checkpoint(contract=None), {}, "V3 checkpoint carries no session contract"),
         (legacy(CheckpointFormat.V2), {"session_contract": bytes(32)}, "contract differs"),
+        (with_value(make_checkpoint(), 1, "params", np.nan), {}, "fragment 1 holds non-finite"),
+        (with_value(make_checkpoint(), 2, "momentum", -np.inf), {}, "non-finite momentum"),
         (make_checkpoint(), {"session_contract": bytes(32)}, "session contract differs"),
     ],
 )
@@ -582,6 +624,24 @@ def test_export_refuses_fragment_count_and_size_mismatches() -> None:
         '[{"merge_mode": "avg", "tensors": [{"name": "a", "shape": [2]}]}]}',
         '{"format": "yeto-layout-v1", "fragments": '
         '[{"merge_mode": "avg", "tensors": [{"name": "a", "shape": [0]}]}]}',
+        # Values of the wrong type are refused, never converted.
+        *(
+            '{"format": "yeto-layout-v1", "fragments": [{"merge_mode": "avg", "tensors": '
+            f'[{{"name": "a", "shape": {shape}}}]}}]}}'
+            for shape in ("[Infinity]", "[4.9]", '["4"]', "[true, 4]", '{"4": 1}', "4")
+        ),
+        '{"format": "yeto-layout-v1", "fragments": '
+        f'[{{"merge_mode": "avg", "tensors": [{{"name": "a", "shape": {[1] * 65}}}]}}]}}',
+        '{"format": "yeto-layout-v1", "fragments": '
+        '[{"merge_mode": "avg", "tensors": [{"name": "a", "shape": [4294967296, 4294967296]}]}]}',
+        '{"format": "yeto-layout-v1", "fragments": '
+        '[{"merge_mode": "AVG", "tensors": [{"name": "a", "shape": [2]}]}]}',
+        '{"format": "yeto-layout-v1", "fragments": '
+        '[{"merge_mode": "avg", "tensors": [{"name": 7, "shape": [2]}]}]}',
+        '{"format": "yeto-layout-v1", "fragments": '
+        '[{"merge_mode": "avg", "tensors": [{"name": "\\ud800", "shape": [2]}]}]}',
+        '{"format": "yeto-layout-v1", "fragments": []}',
+        '{"format": "yeto-layout-v1", "fragments": ["avg"]}',
     ],
 )
 def test_a_bad_layout_file_is_one_coded_error(tmp_path: Path, text: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -169,6 +170,24 @@ def test_the_yeto_process_exits_2_on_a_foreign_file(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.startswith("yeto checkpoint inspect: error: CKPT_BAD_MAGIC: prefix:")
     assert str(foreign) in done.stderr
+
+
+def test_a_closed_stdout_ends_quietly_with_141(files: dict[str, Path]) -> None:
+    """`yeto checkpoint inspect … | head -1`: the reader left; no traceback, exit 128 + SIGPIPE."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody will ever read: the first write fails with EPIPE
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "yeto_learn.cli", "checkpoint", "inspect", str(files["v3"])],
+            cwd=ROOT,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, "")
 
 
 def test_usage_errors_exit_2_and_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:

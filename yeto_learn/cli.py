@@ -6,12 +6,13 @@ Adding ``yeto launch`` or ``yeto bench`` is one more entry in :data:`SUBCOMMANDS
 heavy dependencies (torch) inside their handlers, so ``yeto --help`` stays fast.
 
 Exit codes: 0 success; 2 bad input (usage, or a file that failed validation: one line on stderr
-naming the file, the section and the reason).
+naming the file, the section and the reason); 141 when the reader of stdout went away.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TypeAlias
@@ -22,6 +23,8 @@ from . import bench_closure, checkpoint_cli, launch
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
+#: 128 + SIGPIPE, as a shell reports a command killed by a closed pipe.
+EXIT_BROKEN_PIPE = 141
 
 #: What a subcommand module's ``register`` receives.
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -57,6 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog = getattr(args, "command_prog", parser.prog)
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:
+        # Whoever read stdout went away (`yeto checkpoint inspect … | head -1`): stop quietly,
+        # and keep the interpreter's final flush from failing on the closed pipe as well.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -169,22 +169,66 @@ class Layout:
 
     @classmethod
     def from_json_dict(cls, data: Mapping[str, Any]) -> Layout:
+        """Read a layout document strictly: a value of the wrong type is refused, never coerced.
+
+        Any defect raises ``ValueError`` (a ``LocalProtocolError`` for Layout's own rules).
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError("a layout file is a JSON object")
         if data.get("format") != LAYOUT_FILE_FORMAT:
             raise ValueError(f"layout file format must be {LAYOUT_FILE_FORMAT!r}")
-        fragments = []
-        for raw in data["fragments"]:
-            mode = MergeMode[str(raw["merge_mode"]).upper()]
-            tensors = tuple(TensorSpec(str(t["name"]), tuple(t["shape"])) for t in raw["tensors"])
-            fragments.append(FragmentSpec(mode, tensors))
-        layout = cls(tuple(fragments))
+        raw_fragments = data.get("fragments")
+        if not isinstance(raw_fragments, list) or not raw_fragments:
+            raise ValueError("fragments must be a non-empty list")
+        layout = cls(tuple(_fragment_from_json(i, raw) for i, raw in enumerate(raw_fragments)))
+        computed = layout.fingerprint().hex()
         declared = data.get("fingerprint")
-        if declared is not None and declared != layout.fingerprint().hex():
+        if declared is not None and declared != computed:
             raise ValueError("layout file fingerprint does not match its fragments")
         return layout
 
     @classmethod
     def from_json(cls, text: str) -> Layout:
         return cls.from_json_dict(json.loads(text))
+
+
+#: numpy's limit, so that every tensor of the file can be exported as an array.
+MAX_TENSOR_DIMS = 64
+_JSON_MERGE_MODES = {mode.name.lower(): mode for mode in MergeMode}
+
+
+def _fragment_from_json(index: int, raw: object) -> FragmentSpec:
+    where = f"fragment {index}"
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} is not an object")
+    mode = raw.get("merge_mode")
+    if not isinstance(mode, str) or mode not in _JSON_MERGE_MODES:
+        raise ValueError(f"{where}: merge_mode must be one of {sorted(_JSON_MERGE_MODES)}")
+    raw_tensors = raw.get("tensors")
+    if not isinstance(raw_tensors, list) or not raw_tensors:
+        raise ValueError(f"{where}: tensors must be a non-empty list")
+    tensors = tuple(_tensor_from_json(f"{where} tensor {i}", t) for i, t in enumerate(raw_tensors))
+    return FragmentSpec(_JSON_MERGE_MODES[mode], tensors)
+
+
+def _tensor_from_json(where: str, raw: object) -> TensorSpec:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} is not an object")
+    name, shape = raw.get("name"), raw.get("shape")
+    if not isinstance(name, str):
+        raise ValueError(f"{where}: name must be a string")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{where}: name is not valid Unicode text") from None
+    if not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS:
+        raise ValueError(f"{where}: shape must be a list of at most {MAX_TENSOR_DIMS} sizes")
+    # bool is an int subclass, and a float such as 4.9 must not become 4.
+    if not all(type(d) is int and 1 <= d <= _U64_MAX for d in shape):
+        raise ValueError(f"{where}: every dimension must be an integer in 1..2^64-1")
+    if math.prod(shape) > _U64_MAX:
+        raise ValueError(f"{where}: numel exceeds 2^64-1")
+    return TensorSpec(name, tuple(shape))
 
 
 def layout_fingerprint(layout: Layout) -> bytes:

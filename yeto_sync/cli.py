@@ -24,7 +24,7 @@ from typing import NoReturn
 import anyio
 import anyio.abc
 
-from yeto_proto.checkpoint import Checkpoint, backend_refusal, read_checkpoint
+from yeto_proto.checkpoint import Checkpoint, refusal_before_hello, read_checkpoint
 from yeto_proto.checkpoint.marker import marker_path
 from yeto_proto.constants import IsoBackend
 from yeto_proto.errors import ProtocolError
@@ -295,7 +295,7 @@ def load_resume_checkpoint(config: SyncerConfig) -> Checkpoint | None:
     except ProtocolError as exc:
         raise BadInput(f"--resume: cannot read checkpoint {path}: {exc}") from None
     # What the first HELLO cannot change is refused now, with the reason it would give then.
-    refusal = backend_refusal(checkpoint, config.iso_backend)
+    refusal = refusal_before_hello(checkpoint, config.iso_backend)
     if refusal is not None:
         raise BadInput(f"--resume: {path}: {refusal}")
     return checkpoint

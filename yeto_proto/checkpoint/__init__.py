@@ -29,7 +29,7 @@ from .model import (
     iso_backend_name,
 )
 from .reader import read_checkpoint
-from .resume import ResumeDecision, backend_refusal, resume_decision, scheduled_version
+from .resume import ResumeDecision, refusal_before_hello, resume_decision, scheduled_version
 from .schema import CONTRACT_TAG
 from .writer import CheckpointWriter, write_checkpoint
 
@@ -59,7 +59,7 @@ __all__ = [
     "marker_state",
     "parse_final_marker",
     "read_checkpoint",
-    "backend_refusal",
+    "refusal_before_hello",
     "resume_decision",
     "scheduled_version",
     "verify_identity",

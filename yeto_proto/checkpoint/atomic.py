@@ -11,8 +11,11 @@ behind, never a damaged target.
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +36,23 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def open_regular_file(path: str | os.PathLike[str]) -> io.BufferedReader:
+    """Open ``path`` for reading, refusing anything but a regular file.
+
+    A plain ``open`` of a FIFO waits for a writer forever: the file is opened non-blocking,
+    checked with ``fstat``, and only then switched back to blocking reads.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def release_cached_pages(path: Path) -> None:
     """Advise the kernel to drop the page cache of a file that is about to be replaced.
 
@@ -43,7 +63,7 @@ def release_cached_pages(path: Path) -> None:
     if not hasattr(os, "posix_fadvise"):
         return
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block
     except OSError:
         return
     try:

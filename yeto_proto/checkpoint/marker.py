@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError, ErrorCode
-from .atomic import write_bytes_atomically
+from .atomic import open_regular_file, write_bytes_atomically
 
 MARKER_SUFFIX = ".final"
 _HEADER = b"YETO_FINAL_V1\n"
@@ -81,7 +81,7 @@ def marker_state(checkpoint_path: str | os.PathLike[str], global_step: int) -> M
     """Whether the checkpoint at ``checkpoint_path`` (at ``global_step``) is marked final."""
     path = marker_path(checkpoint_path)
     try:
-        with open(path, "rb") as file:
+        with open_regular_file(path) as file:
             data = file.read(MAX_MARKER_SIZE + 1)
     except FileNotFoundError:
         return MarkerState(MarkerStatus.ABSENT, None, f"no {path.name}")

@@ -19,7 +19,7 @@ from construct import ConstructError
 
 from ..constants import DIGEST_SIZE, IsoBackend
 from ..errors import CheckpointError, ErrorCode
-from .atomic import io_error
+from .atomic import io_error, open_regular_file
 from .model import (
     F32,
     Checkpoint,
@@ -109,11 +109,18 @@ def read_checkpoint(path: str | os.PathLike[str], *, mapped: bool = False) -> Ch
     """
     name = os.fspath(path)
     try:
-        with open(name, "rb") as file:
+        with open_regular_file(name) as file:
             size = os.fstat(file.fileno()).st_size
             return _parse(_Source(file, name, size, mapped))
     except OSError as exc:
         raise io_error(name, exc, section="open") from None
+    except MemoryError:
+        # Sizes are checked against the file, but a real file can still exceed memory.
+        raise CheckpointError(
+            ErrorCode.CKPT_IO,
+            f"not enough memory to hold its arrays (file {name})",
+            section="open",
+        ) from None
 
 
 def _parse(src: _Source) -> Checkpoint:

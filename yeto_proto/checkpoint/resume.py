@@ -4,13 +4,14 @@ Checks, in order (the first failure is the reason):
 
 1. format: V1 never resumes (its iso backend is unknown);
 2. iso backend equals the running syncer's;
-3. identity: V3's fingerprint equals the accepted HELLO fingerprint, even when fragment
+3. every params and momentum value is finite;
+4. identity: V3's fingerprint equals the accepted HELLO fingerprint, even when fragment
    counts and every flat size match; V2 records none, so it resumes only when every fragment
    of the wire layout has exactly one tensor (grouped V2 fails closed), and a fingerprint
    trailer it does carry must equal the HELLO fingerprint;
-4. fragment count and each fragment's numel equal the wire layout's;
-5. each fragment's version is the one the schedule gives for the checkpoint's global step;
-6. a contract the checkpoint carries equals the session's; V3 must carry one (current writers
+5. fragment count and each fragment's numel equal the wire layout's;
+6. each fragment's version is the one the schedule gives for the checkpoint's global step;
+7. a contract the checkpoint carries equals the session's; V3 must carry one (current writers
    always do), while V2 may lack it, since the source lets legacy V2 resume on the rules above.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..constants import IsoBackend
+from ..dtypes import all_finite
 from ..layout import WireLayout
 from .model import Checkpoint, CheckpointFormat, iso_backend_name
 
@@ -41,8 +43,8 @@ def _refuse(reason: str) -> ResumeDecision:
     return ResumeDecision(eligible=False, reason=reason)
 
 
-def backend_refusal(checkpoint: Checkpoint, iso_backend: IsoBackend) -> str | None:
-    """Checks 1 and 2, which need no HELLO: the reason this syncer can never resume it, or None.
+def refusal_before_hello(checkpoint: Checkpoint, iso_backend: IsoBackend) -> str | None:
+    """Checks 1 to 3, which need no HELLO: the reason this syncer can never resume it, or None.
 
     A daemon can run them at start; :func:`resume_decision` runs them first.
     """
@@ -54,6 +56,12 @@ def backend_refusal(checkpoint: Checkpoint, iso_backend: IsoBackend) -> str | No
             f"iso backend {iso_backend_name(recorded) if recorded is not None else 'none'} in "
             f"the checkpoint, {iso_backend_name(iso_backend)} running"
         )
+    for index, fragment in enumerate(checkpoint.fragments):
+        # Non-finite values never reach the global state (a merge refuses them), so a file
+        # holding them was damaged or written by something else.
+        for name, values in (("params", fragment.params), ("momentum", fragment.momentum)):
+            if not all_finite(values):
+                return f"fragment {index} holds non-finite {name}"
     return None
 
 
@@ -67,7 +75,7 @@ def resume_decision(
 ) -> ResumeDecision:
     """Decide whether ``checkpoint`` may seed a session with this backend, HELLO and contract."""
     fmt = checkpoint.format
-    refusal = backend_refusal(checkpoint, iso_backend)
+    refusal = refusal_before_hello(checkpoint, iso_backend)
     if refusal is not None:
         return _refuse(refusal)
     if fmt is CheckpointFormat.V3:
