@@ -57,6 +57,9 @@ class Daemon:
             self.proc.stdout.close()
 
     def start(self, timeout: float = 30.0) -> None:
+        if self.proc is not None:
+            # A second start would lose the first process, which nothing would then stop.
+            raise RuntimeError("this Daemon was started already (entering `with` starts it)")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "yeto_sync", *self.flags],
             cwd=REPO,

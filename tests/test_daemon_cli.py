@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 import socket
 import struct
@@ -173,6 +174,41 @@ def test_a_signal_right_after_the_ready_line_stops_cleanly(signals: int) -> None
         assert daemon.wait(15) == 128 + signal.SIGTERM
         last = daemon.stderr.splitlines()[-1]
     assert last == "yeto-sync: stopped by SIGTERM; no checkpoint was written"
+
+
+def test_a_closed_stdout_loses_only_the_ready_line() -> None:
+    """`yeto-sync … | true`: the daemon logs the lost ready line and serves on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "yeto_sync", "--learners=1", "--total-steps=4",
+             "--host=127.0.0.1", f"--port={port}"],
+            cwd=REPO, stdout=write_end, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    try:
+        wait_until(lambda: _accepts(port), 30, "the daemon to listen")
+        time.sleep(0.2)  # past the ready line
+        assert daemon.poll() is None, "a closed stdout ended the daemon"
+        daemon.send_signal(signal.SIGTERM)
+        _, errors = daemon.communicate(timeout=15)
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+    assert daemon.returncode == 128 + signal.SIGTERM, errors
+    assert "Traceback" not in errors and "ready line was not delivered" in errors, errors
+    assert errors.splitlines()[-1] == "yeto-sync: stopped by SIGTERM; no checkpoint was written"
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_a_port_in_use_is_one_line_and_nonzero() -> None:

@@ -296,3 +296,15 @@ def test_log_actions_reach_the_log(action: Log) -> None:
         assert "level=warning" in stream.getvalue() and "msg=careful n=1" in stream.getvalue()
 
     run(scenario)
+
+
+class _ClosedPipe(io.StringIO):
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_log_whose_reader_went_away_stops_logging_and_never_raises() -> None:
+    log = KeyValueLog(_ClosedPipe())
+    log("info", "first", {"k": 1})
+    log("error", "second", {})
+    assert log.broken

@@ -5,15 +5,18 @@ Output goes to a pipe here, as in CI: it must stay plain text (no terminal escap
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from syncer_process import REPO, child_env
 
@@ -80,7 +83,9 @@ def test_launch_trains_two_learners_and_summarizes(tmp_path: Path) -> None:
             assert flat.tobytes() == values.params.tobytes()
 
 
-def test_sigterm_stops_every_child_and_says_what_was_kept(tmp_path: Path) -> None:
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
+def test_sigterm_stops_every_child_and_says_what_was_kept(tmp_path: Path, twice: bool) -> None:
+    """A second signal while the children stop (Ctrl+C pressed again) changes nothing."""
     out = tmp_path / "run"
     launcher = subprocess.Popen(
         [*LAUNCH, "--learners", "2", "--steps", "100000", "--out", str(out)],
@@ -99,6 +104,9 @@ def test_sigterm_stops_every_child_and_says_what_was_kept(tmp_path: Path) -> Non
         time.sleep(2.0)  # let them train a little
         launcher.send_signal(signal.SIGTERM)
         stopped = time.monotonic()
+        if twice:
+            time.sleep(0.01)
+            launcher.send_signal(signal.SIGINT)
         rest, errors = launcher.communicate(timeout=20)
         took = time.monotonic() - stopped
     finally:
@@ -109,9 +117,71 @@ def test_sigterm_stops_every_child_and_says_what_was_kept(tmp_path: Path) -> Non
     last = rest.strip().splitlines()[-1]
     assert last.startswith("yeto launch: stopped by SIGTERM"), last
     assert "every process ended" in last and "kept:" in last
+    assert "no learner artifact was written" in last
+    assert "Traceback" not in errors, errors
+    if twice:
+        assert "yeto launch: SIGINT again; still stopping" in errors, errors
     for pid in children:
         assert not Path(f"/proc/{pid}").exists(), f"child {pid} outlived the launcher"
     # Nothing claims to be final: no learner artifact, no final marker.
     assert not (out / "learner-0" / "model.pt").exists()
     assert not Path(str(out / "syncer" / "checkpoint.yeto") + ".final").exists()
     assert os.path.isdir(out / "syncer")
+
+
+def test_a_closed_stdout_does_not_stop_the_run(tmp_path: Path) -> None:
+    """`yeto launch … | head -1`: once stdout's reader is gone, status lines go to stderr."""
+    out = tmp_path / "run"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the first status line already finds no reader
+    try:
+        result = subprocess.run(
+            [*LAUNCH, "--learners", "1", "--steps", "64", "--fragments", "2",
+             "--streams", "0", "--out", str(out)],
+            cwd=REPO, env=child_env(), stdout=write_end, stderr=subprocess.PIPE, text=True,
+            timeout=90,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert "yeto launch: finished" in result.stderr
+    assert (out / "learner-0" / "model.pt").is_file()
+    assert json.loads((out / "summary.json").read_text())["learners"] == 1
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has its own handler for ``signum`` (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_learner_stopped_by_sigterm_unwinds_and_says_what_it_kept(tmp_path: Path) -> None:
+    """The launcher stops learners with SIGTERM: it must unwind (an artifact being written loses
+    only its temp file) and end with a line, not die by the default action."""
+    with socket.socket() as idle:  # accepts the connection, never answers
+        idle.bind(("127.0.0.1", 0))
+        idle.listen()
+        address = f"127.0.0.1:{idle.getsockname()[1]}"
+        learner = subprocess.Popen(
+            [sys.executable, "-m", "yeto_learn.demo_model", "--syncer", address,
+             "--learner-id", "0", "--num-learners", "1", "--out", str(tmp_path / "l0")],
+            cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while not _catches(learner.pid, signal.SIGTERM) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            learner.send_signal(signal.SIGTERM)
+            _, errors = learner.communicate(timeout=30)
+        finally:
+            if learner.poll() is None:
+                learner.kill()
+                learner.wait()
+    assert learner.returncode == 128 + signal.SIGTERM, errors
+    assert errors.splitlines()[-1] == "learner 0: stopped by SIGTERM; no artifact was written"
+    assert not list(tmp_path.rglob("*.tmp"))

@@ -45,6 +45,8 @@ from yeto_proto.checkpoint import (
 )
 from yeto_proto.errors import ProtocolError
 
+from .artifact_files import LAYOUT_FILE
+
 if TYPE_CHECKING:
     from .cli import Commands
     from .learner import Learner
@@ -65,7 +67,6 @@ MODEL_SEED = 0
 CHECKPOINT_FILE = "checkpoint.yeto"
 CUTOFF_TAPE = "cutoff-tape.jsonl"
 CONSOLIDATION_TAPE = "consolidation-tape.jsonl"
-LAYOUT_FILE = "layout.json"
 EXPORT_FILE = "final.safetensors"
 
 

@@ -19,16 +19,20 @@ import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import sysconfig
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
+
+from .artifact_files import STATE_FILE
 
 #: Pure-Python standard library modules whose source is the corpus (missing ones are skipped).
 CORPUS_MODULES = (
@@ -165,8 +169,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(BaseException):
+    """SIGTERM: unwinds like an error, so an artifact being written loses only its temp file."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # `yeto launch` stops its learners with SIGTERM; the default action would kill the process
+    # between a temp file's creation and its rename, leaving the temp file behind.
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _run(args)
+    except _Terminated:
+        artifact = args.out / STATE_FILE if args.out is not None else None
+        kept = (
+            f"its artifact {artifact} is whole"
+            if artifact is not None and artifact.exists()
+            else "no artifact was written"
+        )
+        print(f"learner {args.learner_id}: stopped by SIGTERM; {kept}", file=sys.stderr)
+        return 128 + signal.SIGTERM
+
+
+def _run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0

@@ -30,6 +30,10 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
+from yeto_proto.checkpoint import write_bytes_atomically
+
+from .artifact_files import LAYOUT_FILE, STATE_FILE
+
 if TYPE_CHECKING:
     from .cli import Commands
 
@@ -162,7 +166,22 @@ class Stopped(Exception):
 
 @contextlib.contextmanager
 def _signals_raise() -> Iterator[None]:
+    """The first SIGINT/SIGTERM raises :class:`Stopped`; later ones only say so on stderr.
+
+    A second Ctrl+C is common while the children stop: it must not cut that short and leave
+    the run without its last line.
+    """
+    stopping = False
+
     def handler(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        if stopping:
+            # os.write: a print here could re-enter a print the signal interrupted.
+            name = signal.Signals(signum).name
+            with contextlib.suppress(OSError):
+                os.write(2, f"yeto launch: {name} again; still stopping\n".encode())
+            return
+        stopping = True
         raise Stopped(signum)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -263,7 +282,7 @@ class Display:
         if self.live is not None:
             self.live.console.print(text, markup=False)
         else:
-            print(text, file=self.console.file, flush=True)
+            say(text)
 
     def _global_step(self) -> int:
         return max((v.global_step for v in self.views), default=0)
@@ -371,22 +390,52 @@ def run(args: argparse.Namespace) -> int:
     paths.syncer_dir.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
     started = time.monotonic()
-    try:
-        with _signals_raise():
+    with _signals_raise():
+        try:
             return _launch(args, paths, children, started)
-    except Stopped as stop:
-        stop_children(children)
-        elapsed = time.monotonic() - started
-        kept = _syncer_kept(paths)
-        print(
-            f"yeto launch: stopped by {stop} after {elapsed:.1f} s; every process ended; "
-            f"kept: {kept}; no learner artifact was written (the run did not finalize); "
-            f"logs in {paths.out}",
-            flush=True,
-        )
-        return 128 + stop.signum
-    finally:
-        stop_children(children)
+        except Stopped as stop:
+            stop_children(children)
+            elapsed = time.monotonic() - started
+            say(
+                f"yeto launch: stopped by {stop} after {elapsed:.1f} s; every process ended; "
+                f"kept: {_syncer_kept(paths)}; {_artifacts_kept(paths, args.learners)}; "
+                f"logs in {paths.out}"
+            )
+            return 128 + stop.signum
+        finally:
+            stop_children(children)
+
+
+def _artifacts_kept(paths: Paths, learners: int) -> str:
+    """Which learners' artifacts are on disk (each is written atomically, so whole)."""
+    written = [i for i in range(learners) if (paths.learner_dir(i) / STATE_FILE).exists()]
+    if not written:
+        return "no learner artifact was written (the run did not finalize)"
+    if len(written) == learners:
+        return "every learner's artifact was written"
+    names = ", ".join(f"learner-{i}" for i in written)
+    return f"learner artifacts written by {names} only"
+
+
+def say(text: str) -> None:
+    """A line on stdout; once nobody reads stdout any more, on stderr instead.
+
+    A closed stdout (``yeto launch … | head -1``, a dropped ssh pipe) must not abort training:
+    the run goes on, and its status lines go to stderr from then on.
+    """
+    global _stdout_gone
+    if not _stdout_gone:
+        try:
+            print(text, flush=True)
+            return
+        except BrokenPipeError:
+            _stdout_gone = True
+            # The interpreter's last flush would fail on the pipe as well.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print(text, file=sys.stderr, flush=True)
+
+
+_stdout_gone = False
 
 
 def _syncer_kept(paths: Paths) -> str:
@@ -441,11 +490,10 @@ def _launch(args: argparse.Namespace, paths: Paths, children: list[Child], start
     lines: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
     learners: dict[str, Child] = {}
     views = [LearnerView(i) for i in range(args.learners)]
-    print(
+    say(
         f"yeto launch: syncer on {address} ({rounds} rounds), {args.learners} learners, "
         f"{args.fragments} fragments, wire {args.wire_dtype}, merge {args.merge}; "
-        f"output in {paths.out}",
-        flush=True,
+        f"output in {paths.out}"
     )
     for i in range(args.learners):
         argv = [
@@ -564,7 +612,7 @@ def _summary(
     args: argparse.Namespace,
     rounds: int,
     elapsed: float,
-    emit: Callable[[str], None] = print,
+    emit: Callable[[str], None] = say,
 ) -> None:
     done = [v.done for v in views if v.done]
     if not done:
@@ -593,7 +641,7 @@ def _summary(
         "event_tape": str(paths.tape),
         "per_learner": done,
     }
-    paths.summary.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    write_bytes_atomically(paths.summary, (json.dumps(record, indent=2) + "\n").encode("utf-8"))
     emit(f"yeto launch: finished in {elapsed:.1f} s — {rounds} rounds, {steps} local steps")
     emit(f"  eval loss        {start:.3f} → {final:.3f} ({final - start:+.3f})")
     if args.learners > 1:
@@ -610,4 +658,4 @@ def _summary(
     emit(f"  event tape       {paths.tape}")
     emit(f"  summary          {paths.summary}")
     for i in range(len(views)):
-        emit(f"  learner {i}        {paths.learner_dir(i)}/model.pt, layout.json")
+        emit(f"  learner {i}        {paths.learner_dir(i) / STATE_FILE}, {LAYOUT_FILE}")

@@ -49,6 +49,7 @@ from yeto_proto import (
 )
 from yeto_proto.checkpoint import atomic_replace, write_bytes_atomically
 
+from .artifact_files import LAYOUT_FILE, RUN_ID_FILE, STATE_FILE, SUMMARY_FILE
 from .distributed import Apply, ApplyKind, Plan, PlanStatus, RankLink, rank_link
 from .model_layout import FragmentPattern, build_layout, normalize_name, session_contract
 from .session import (
@@ -79,10 +80,6 @@ from .transport import (
 )
 
 RUN_ID_ENV = "YETO_RUN_ID"
-RUN_ID_FILE = "run_id"
-STATE_FILE = "model.pt"
-LAYOUT_FILE = "layout.json"
-SUMMARY_FILE = "learner.json"
 #: How long the waiting loops (start, finish) block on the inbox per turn.
 _POLL_S = 0.05
 

@@ -11,6 +11,7 @@ line always says why the syncer stopped and which checkpoint (path and global st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -24,7 +25,7 @@ from typing import NoReturn
 import anyio
 import anyio.abc
 
-from yeto_proto.checkpoint import Checkpoint, refusal_before_hello, read_checkpoint
+from yeto_proto.checkpoint import Checkpoint, read_checkpoint, refusal_before_hello
 from yeto_proto.checkpoint.marker import marker_path
 from yeto_proto.constants import IsoBackend
 from yeto_proto.errors import ProtocolError
@@ -375,9 +376,13 @@ def _start_and_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         return EXIT_FAILURE
-    except _Interrupted as interrupted:  # outside the event loop's signal handling
-        if not serving:
+    except BaseException as raised:
+        # Outside the event loop's own signal handling; a task group may have wrapped it.
+        interrupted = _sole_exception(raised)
+        if not isinstance(interrupted, _Interrupted):
             raise
+        if not serving:
+            raise interrupted from None
         name = signal.Signals(interrupted.signum).name
         print(f"{PROG}: stopped by {name}; {_kept_state(serving[0])}", file=sys.stderr)
         return 128 + interrupted.signum
@@ -386,6 +391,24 @@ def _start_and_serve(args: argparse.Namespace) -> int:
             iso_pool.close()  # stops and, if need be, kills every worker: no orphans
     print(f"{PROG}: {exit_action.reason}; {kept}", file=sys.stderr, flush=True)
     return exit_action.code
+
+
+def _sole_exception(raised: BaseException) -> BaseException:
+    """The one exception inside nested groups of one (anyio task groups wrap what they raise)."""
+    while isinstance(raised, BaseExceptionGroup) and len(raised.exceptions) == 1:
+        raised = raised.exceptions[0]
+    return raised
+
+
+def _ready_line(text: str, log: KeyValueLog) -> None:
+    """Print the ready line; a closed stdout is logged, and the daemon serves on regardless."""
+    try:
+        print(text, flush=True)
+    except (OSError, ValueError):
+        # Later writes (and the interpreter's last flush) must not fail on the pipe again.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        log("warning", "stdout is closed: the ready line was not delivered", {})
 
 
 def start_iso_pool(config: SyncerConfig) -> IsoWorkerPool | None:
@@ -454,7 +477,7 @@ async def _serve(
                     "hello_auth": hello_key is not None,
                 },
             )
-            print(f"{PROG} listening on {host}:{port}", flush=True)
+            _ready_line(f"{PROG} listening on {host}:{port}", log)
             try:
                 exit_action = await driver.run(transport)
             except Exception as exc:  # a bug: keep the traceback in the log, end in one line

@@ -104,16 +104,21 @@ class KeyValueLog:
     def __init__(self, stream: TextIO | None = None, *, min_level: str = "info") -> None:
         self._stream = stream
         self._min = _LEVELS[min_level]
+        #: Set once the stream failed (its reader went away): logging stops, serving does not.
+        self.broken = False
 
     def __call__(self, level: str, text: str, fields: Mapping[str, object]) -> None:
-        if _LEVELS.get(level, 20) < self._min:
+        if self.broken or _LEVELS.get(level, 20) < self._min:
             return
         now = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
         parts = [f"ts={now}", f"level={level}", f"msg={_log_value(text)}"]
         parts += [f"{key}={_log_value(value)}" for key, value in fields.items()]
         stream = self._stream if self._stream is not None else sys.stderr
-        stream.write(" ".join(parts) + "\n")
-        stream.flush()
+        try:
+            stream.write(" ".join(parts) + "\n")
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or file: never a reason to stop serving
+            self.broken = True
 
 
 def _json_default(value: object) -> object:
