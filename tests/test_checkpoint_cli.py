@@ -283,6 +283,7 @@ def test_export_refuses_before_touching_the_output(
             capsys, "checkpoint", "export", checkpoint, "--layout", layout, "--out", out
         )
         assert code == 2 and code_name in err and err.count("\n") == 1
+        assert "(file " in err, err  # every error line names its file
     assert out.read_bytes() == b"previous export"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
@@ -297,6 +298,7 @@ def test_legacy_export_needs_the_identity_for_grouped_layouts(
 
     code, _, err = run(capsys, *base, files["v2"], *common)
     assert code == 2 and "CKPT_IDENTITY_REQUIRED" in err and not out.exists()
+    assert f"(file {files['v2']}, layout {files['layout']})" in err, err
     code, _, err = run(capsys, *base, files["v2"], *common, "--legacy-fingerprint", "00" * 32)
     assert code == 2 and "CKPT_LAYOUT_MISMATCH" in err and not out.exists()
     code, _, err = run(capsys, *base, files["v2"], *common, "--legacy-fingerprint", fingerprint)

@@ -215,7 +215,13 @@ def run_export(args: argparse.Namespace) -> int:
         fingerprint=args.legacy_fingerprint,
         iso_backend=ISO_BACKEND_NAMES[args.iso_backend] if args.iso_backend else None,
     )
-    exported = export_tensors(checkpoint, layout, legacy)
+    try:
+        exported = export_tensors(checkpoint, layout, legacy)
+    except CheckpointError as exc:  # the pair disagrees: name both files, as every error line does
+        reason = exc.detail.removeprefix(f"{exc.section}: ") if exc.section else exc.detail
+        raise CheckpointError(
+            exc.code, f"{reason} (file {args.path}, layout {args.layout})", section=exc.section
+        ) from None
     if not out.parent.is_dir():
         raise CheckpointError(ErrorCode.CKPT_IO, f"no such directory (file {out})", section="write")
     save = _save_safetensors if out.suffix.lower() in SAFETENSORS_SUFFIXES else _save_torch
