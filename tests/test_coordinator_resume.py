@@ -64,6 +64,8 @@ def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path: Path) 
     assert sim.run() == Exit(0, "finalized at global step 7")
 
     assert [r["step"] for r in sim.merges] == [5, 6, 7]
+    # The tape says where the resumed run picked up: later lines may redo earlier steps.
+    assert sim.tape[0] == {"event": "resumed", "step": 4, "next_step": 5, "versions": [4, 2, 3]}
     resumed, original = sim.coordinator.model, reference.coordinator.model
     assert resumed is not None and original is not None
     assert resumed.versions == original.versions == (7, 5, 6)

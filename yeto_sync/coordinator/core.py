@@ -304,6 +304,7 @@ class Coordinator:
         if checkpoint is not None:
             model.install(checkpoint)
             self._checkpoint = None  # installed; the model owns the arrays now
+            out.append(AppendTape(tape.resumed_record(model.global_step, model.versions)))
         self._model = model
         self._next_step = model.global_step + 1
         out.append(

@@ -1,7 +1,8 @@
 """Event-tape records (JSON Lines objects), PINNED.md § Daemon "Event tape".
 
 A merge line has no ``event`` field and carries at least the pinned fields; every other line
-(rejections, discarded attempts, failures, the final cut) names itself with ``event``.
+(rejections, discarded attempts, failures, a resume, the final cut) names itself with
+``event``.
 Members are ``{"id", "generation"}`` objects in ascending order.
 """
 
@@ -112,4 +113,14 @@ def final_cut_record(
         "step": final_step,
         "versions": list(versions),
         "frozen_learners": sorted(frozen),
+    }
+
+
+def resumed_record(global_step: int, versions: Iterable[int]) -> dict[str, Any]:
+    """A resumed run continues the tape: rounds after ``global_step`` may appear a second time."""
+    return {
+        "event": "resumed",
+        "step": global_step,
+        "next_step": global_step + 1,
+        "versions": list(versions),
     }
