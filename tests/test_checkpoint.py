@@ -202,6 +202,13 @@ def test_writer_refuses_arrays_it_cannot_stream(
         {"contract": bytes(33)},
         {"global_step": -1},
         {"global_step": 1 << 64},
+        # Values of the wrong type are refused, never cut or coerced.
+        {"global_step": 4.0},
+        {"global_step": True},
+        {"fingerprint": "ab" * 16},
+        {"ledger": (LedgerEntry(0, 1.5, 0, 0),)},  # type: ignore[arg-type]
+        {"fragments": (FragmentState(1.0, np.zeros(2, "<f4"), np.zeros(2, "<f4")),)},  # type: ignore[arg-type]
+        {"fragments": (FragmentState(1, [0.0, 0.0], np.zeros(2, "<f4")),)},  # type: ignore[arg-type]
         {"fragments": ()},
         {"ledger": (LedgerEntry(2, 0, 0, 0), LedgerEntry(2, 0, 0, 0))},
         {"ledger": (LedgerEntry(1 << 32, 0, 0, 0),)},

@@ -8,6 +8,7 @@ of the checkpoint. The file is always V3 with the full 68-byte trailer.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -41,18 +42,25 @@ def _bad(detail: str) -> LocalProtocolError:
 
 
 def _check_u(value: int, limit: int, what: str) -> int:
+    # An integer of any kind (numpy's too), never a float or bool that would be cut or coerced.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _bad(f"{what} must be an integer, got {type(value).__name__}")
     if not 0 <= value <= limit:
         raise _bad(f"{what} {value} is out of range")
-    return value
+    return int(value)
 
 
 def _check_digest(value: bytes, what: str) -> bytes:
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise _bad(f"{what} must be bytes, got {type(value).__name__}")
     if len(value) != DIGEST_SIZE:
         raise _bad(f"{what} must be {DIGEST_SIZE} bytes, got {len(value)}")
     return bytes(value)
 
 
 def _check_array(array: F32Array, what: str) -> F32Array:
+    if not isinstance(array, np.ndarray):
+        raise _bad(f"{what} must be a numpy array, got {type(array).__name__}")
     if array.dtype != F32 or not array.flags.c_contiguous:
         raise _bad(f"{what} must be a C-contiguous little-endian float32 array")
     return array
@@ -82,9 +90,9 @@ class CheckpointWriter:
     ) -> None:
         self._fingerprint = _check_digest(fingerprint, "fingerprint")
         self._contract = _check_digest(contract, "contract")
-        if num_fragments < 1 or num_fragments > _U32_MAX:
-            raise _bad(f"F {num_fragments} is not in 1..2^32-1")
-        self._num_fragments = num_fragments
+        if _check_u(num_fragments, _U32_MAX, "F") < 1:
+            raise _bad("F 0 is not in 1..2^32-1")
+        self._num_fragments = int(num_fragments)
         if iso_backend not in set(IsoBackend):
             raise _bad(f"iso_backend {iso_backend!r} is not 0 (scalar) or 1 (torch-svd)")
         prefix = PREFIXES[CheckpointFormat.V3].build(
