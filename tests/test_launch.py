@@ -83,8 +83,14 @@ def test_launch_trains_two_learners_and_summarizes(tmp_path: Path) -> None:
             assert flat.tobytes() == values.params.tobytes()
 
 
-@pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
-def test_sigterm_stops_every_child_and_says_what_was_kept(tmp_path: Path, twice: bool) -> None:
+@pytest.mark.parametrize(
+    "signals",
+    [[signal.SIGTERM], [signal.SIGTERM, signal.SIGINT], [signal.SIGHUP]],
+    ids=["once", "twice", "hangup"],
+)
+def test_a_signal_stops_every_child_and_says_what_was_kept(
+    tmp_path: Path, signals: list[signal.Signals]
+) -> None:
     """A second signal while the children stop (Ctrl+C pressed again) changes nothing."""
     out = tmp_path / "run"
     launcher = subprocess.Popen(
@@ -102,25 +108,25 @@ def test_sigterm_stops_every_child_and_says_what_was_kept(tmp_path: Path, twice:
             time.sleep(0.2)
         assert len(children) == 3, "expected the syncer and two learners"
         time.sleep(2.0)  # let them train a little
-        launcher.send_signal(signal.SIGTERM)
+        launcher.send_signal(signals[0])
         stopped = time.monotonic()
-        if twice:
+        for later in signals[1:]:
             time.sleep(0.01)
-            launcher.send_signal(signal.SIGINT)
+            launcher.send_signal(later)
         rest, errors = launcher.communicate(timeout=20)
         took = time.monotonic() - stopped
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    assert launcher.returncode == 128 + signal.SIGTERM, errors
+    assert launcher.returncode == 128 + signals[0], errors
     assert took < 10, f"stopping took {took:.1f} s"
     last = rest.strip().splitlines()[-1]
-    assert last.startswith("yeto launch: stopped by SIGTERM"), last
+    assert last.startswith(f"yeto launch: stopped by {signals[0].name}"), last
     assert "every process ended" in last and "kept:" in last
     assert "no learner artifact was written" in last
     assert "Traceback" not in errors, errors
-    if twice:
-        assert "yeto launch: SIGINT again; still stopping" in errors, errors
+    for later in signals[1:]:
+        assert f"yeto launch: {later.name} again; still stopping" in errors, errors
     for pid in children:
         assert not Path(f"/proc/{pid}").exists(), f"child {pid} outlived the launcher"
     # Nothing claims to be final: no learner artifact, no final marker.

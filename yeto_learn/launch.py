@@ -157,16 +157,21 @@ def stop_children(children: list[Child], grace: float = STOP_GRACE_S) -> None:
 
 
 class Stopped(Exception):
-    """SIGINT or SIGTERM reached the launcher."""
+    """SIGINT, SIGTERM or SIGHUP reached the launcher."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
+def _optional_signals(*names: str) -> list[signal.Signals]:
+    """The named signals this platform has (Windows has no SIGHUP)."""
+    return [getattr(signal, name) for name in names if hasattr(signal, name)]
+
+
 @contextlib.contextmanager
 def _signals_raise() -> Iterator[None]:
-    """The first SIGINT/SIGTERM raises :class:`Stopped`; later ones only say so on stderr.
+    """The first SIGINT/SIGTERM/SIGHUP raises :class:`Stopped`; later ones only say so on stderr.
 
     A second Ctrl+C is common while the children stop: it must not cut that short and leave
     the run without its last line.
@@ -184,7 +189,9 @@ def _signals_raise() -> Iterator[None]:
         stopping = True
         raise Stopped(signum)
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP too: a closed terminal stops the run the same orderly way.
+    stop_signals = [signal.SIGINT, signal.SIGTERM, *_optional_signals("SIGHUP")]
+    previous = {s: signal.signal(s, handler) for s in stop_signals}
     try:
         yield
     finally:
