@@ -15,6 +15,7 @@ from yeto_proto.messages import (
     FinalAck,
     FinalFragment,
     FinalManifest,
+    Heartbeat,
     PullReq,
     Shutdown,
 )
@@ -261,6 +262,23 @@ def test_reconnected_generation_that_drops_before_its_ack_no_longer_holds_up_the
 
     assert shutdowns_in(actions) == [b.key]
     assert sim.exit == Exit(0, "finalized at global step 4")
+
+
+def test_a_reconnected_generation_closed_on_a_protocol_error_no_longer_holds_up_the_exit() -> None:
+    """The syncer closes it itself: its later GroupClosed finds nothing, so the close re-checks."""
+    sim = session(final_ack_timeout_s=30)
+    a, b = sim.learners[0], sim.learners[1]
+    ack(sim, a.key)
+    a.disconnect()
+    fresh = a.connect()
+    ack(sim, b.key)
+    assert sim.exit is None
+
+    sim.message(fresh, Heartbeat(1, 0))  # names another learner: fatal for that generation
+
+    assert fresh in sim.closed
+    assert sim.exit == Exit(0, "finalized at global step 4")
+    assert shutdowns_in(sim.actions) == [b.key]
 
 
 def test_missing_re_ack_at_the_deadline_still_exits_zero() -> None:

@@ -681,7 +681,10 @@ class Coordinator:
 
     def _on_final_deadline(self, out: list[Action]) -> None:
         final = self._final
-        if final is None or final.complete(self._registry.is_current):
+        if final is None:
+            return
+        if final.complete(self._registry.is_current):
+            self._finalized(final, out)  # completed without an event that re-checked it
             return
         pending = sorted(final.pending)
         if not pending:
@@ -1039,11 +1042,14 @@ class Coordinator:
 
     def _close_group(self, key: GroupKey, refusal: Refusal, out: list[Action]) -> None:
         """A fatal protocol error from one group: ERROR, close it, forget it."""
-        self._registry.remove(key)
+        was_current = self._registry.remove(key)
         out.append(CloseGroup(key, ErrorMessage(refusal.text)))
         out.append(
             Log("error", "group closed on protocol error", {**_member_fields(key), **_why(refusal)})
         )
+        if was_current:
+            # Its GroupClosed finds it forgotten already: the cut is re-checked here instead.
+            self._finish_if_delivered(out)
 
     def _fail(self, reason: str, out: list[Action]) -> None:
         self._finish(EXIT_FAILURE, reason, out)
