@@ -37,6 +37,7 @@ from yeto_proto import (
     FrameDecoder,
     Limits,
     ProtocolError,
+    PushFragment,
     Reassembler,
     Role,
     encode,
@@ -71,6 +72,24 @@ class _Outgoing:
     message: AnyMessage | None = None
     #: Some byte of it went into the socket: it may have reached the syncer.
     started: bool = False
+    #: Superseded before its first byte: the writer skips it (its buffers are released).
+    withdrawn: bool = False
+
+
+@dataclass(eq=False)
+class _QueuedPush:
+    """The frames of one PUSH (one plain frame, or its CHUNKs), so a newer one can replace it."""
+
+    frames: list[_Outgoing]
+
+    @property
+    def started(self) -> bool:
+        return any(frame.started for frame in self.frames)
+
+    def withdraw(self) -> None:
+        for frame in self.frames:
+            frame.withdrawn = True
+            frame.frame = []
 
 
 @dataclass(eq=False)
@@ -81,9 +100,11 @@ class _Stream:
     queue: deque[_Outgoing] = field(default_factory=deque)
     ready: anyio.Event = field(default_factory=anyio.Event)
 
-    def put(self, frame: Buffers, message: AnyMessage | None = None) -> None:
-        self.queue.append(_Outgoing(frame, message))
+    def put(self, frame: Buffers, message: AnyMessage | None = None) -> _Outgoing:
+        outgoing = _Outgoing(frame, message)
+        self.queue.append(outgoing)
         self.ready.set()
+        return outgoing
 
 
 class GroupBroken(Exception):
@@ -168,6 +189,8 @@ class ConnectionGroup:
         self.received_any = False
         #: Once the group ended: whole messages of which no byte was written (in send order).
         self.unsent: list[AnyMessage] = []
+        #: The newest queued PUSH of each fragment.
+        self._pushes: dict[int, _QueuedPush] = {}
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, message: AnyMessage) -> None:
@@ -175,12 +198,30 @@ class ConnectionGroup:
         if self._ended.is_set():
             self._counters.frames_dropped += 1
             return
+        if isinstance(message, PushFragment):
+            self._withdraw_superseded_push(message.fragment_id)
         frame = encode(message)
         if self._slicer is None or message.TYPE not in STRIPED_TYPES:
-            self._streams[0].put(frame, message)
-            return
-        for piece in self._slicer.slice(frame):
-            self._streams[1 + piece.stream_idx].put(piece.buffers)
+            frames = [self._streams[0].put(frame, message)]
+        else:
+            frames = [
+                self._streams[1 + piece.stream_idx].put(piece.buffers)
+                for piece in self._slicer.slice(frame)
+            ]
+        if isinstance(message, PushFragment):
+            self._pushes[message.fragment_id] = _QueuedPush(frames)
+
+    def _withdraw_superseded_push(self, fragment_id: int) -> None:
+        """Drop an older PUSH of the fragment that has not started: its round is over.
+
+        Rounds in flight target distinct fragments, so a newer PULL of a fragment means the
+        older round was committed or its attempt discarded, and the syncer would reject the
+        older PUSH. A syncer that reads slowly would otherwise let the pushes pile up here.
+        """
+        older = self._pushes.pop(fragment_id, None)
+        if older is not None and not older.started:
+            older.withdraw()
+            self._counters.frames_dropped += 1
 
     def send_first(self, frames: list[Buffers]) -> None:
         """The opening frame of each socket (HELLO on stream 0, DATA_HELLO on the others)."""
@@ -209,7 +250,7 @@ class ConnectionGroup:
                 self.unsent += [
                     out.message
                     for out in stream.queue
-                    if out.message is not None and not out.started
+                    if out.message is not None and not out.started and not out.withdrawn
                 ]
                 stream.queue.clear()
             self._reassembler.clear()
@@ -325,6 +366,8 @@ class ConnectionGroup:
     async def _write_frame(self, sock: socket.socket, outgoing: _Outgoing) -> None:
         pending = OutgoingBuffers(outgoing.frame, IOV_BATCH)
         while not pending.done:
+            if outgoing.withdrawn:
+                return  # superseded while it waited for room, before its first byte
             try:
                 sent = sock.sendmsg(pending.batch())
             except (BlockingIOError, InterruptedError):
