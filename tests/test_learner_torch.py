@@ -26,7 +26,7 @@ import torch
 from numpy.typing import NDArray
 from syncer_process import REPO, child_env, free_port, running_syncer
 
-from yeto_learn import FinishTimeout, Learner
+from yeto_learn import FinishTimeout, Learner, LearnerError
 from yeto_learn.cli import main as yeto_main
 from yeto_learn.learner import LAYOUT_FILE, RUN_ID_FILE, STATE_FILE, SUMMARY_FILE, resolve_run_id
 from yeto_learn.model_layout import normalize_name
@@ -252,6 +252,43 @@ def test_step_does_not_wait_for_a_frozen_syncer(tmp_path: Path) -> None:
         learner.finish(timeout=60)
         assert syncer.wait() == 0
     assert_holds_checkpoint(model, learner.layout, read_checkpoint(syncer.checkpoint))
+
+
+def test_misuse_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    """A second thread inside the API, or a token count that cannot be one: a clear error, and
+    the learner stays usable (it used to fail for good, or build PUSHes from torn parameters)."""
+    with running_syncer(tmp_path / "syncer", learners=1, total_steps=3) as syncer:
+        model = regression_model()
+        learner = Learner(model, syncer=syncer.address, learner_id=0, num_learners=1,
+                          fragments=3, connect_timeout=30)  # fmt: skip
+        for bad in (2.9, -1, 1 << 64, True, "5"):
+            with pytest.raises(ValueError, match="tokens must be"):
+                learner.step(tokens=bad)  # type: ignore[arg-type]
+        assert learner.stats.local_step == 0
+
+        inside, leave = threading.Event(), threading.Event()
+        sum_tokens = learner._link.sum_tokens
+
+        def slow_sum(tokens: int) -> int:
+            inside.set()
+            leave.wait(10)
+            return sum_tokens(tokens)
+
+        learner._link.sum_tokens = slow_sum  # type: ignore[method-assign]
+        first = threading.Thread(target=learner.step, kwargs={"tokens": 1})
+        first.start()
+        assert inside.wait(10)
+        with pytest.raises(LearnerError, match="not thread-safe"):
+            learner.step(tokens=1)
+        leave.set()
+        first.join(10)
+        learner._link.sum_tokens = sum_tokens  # type: ignore[method-assign]
+        assert learner.stats.local_step == 1
+        while not learner.final_ready:
+            learner.step(tokens=1)
+            time.sleep(0.001)
+        learner.finish(timeout=60)
+        assert syncer.wait() == 0
 
 
 class SeverableProxy:

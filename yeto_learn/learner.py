@@ -24,11 +24,14 @@ collective: every rank calls them.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import numbers
 import os
+import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -273,6 +276,8 @@ class Learner:
         self._shutdown = False
         self._finished = False
         self._failed: BaseException | None = None
+        #: Held by the thread inside step/finish/report_budget (finish calls report_budget).
+        self._calls = threading.RLock()
         self.final_ready = False
         self.final_global_step: int | None = None
         self._pushes = 0
@@ -352,25 +357,26 @@ class Learner:
         Never waits on the network. Under torchrun it is collective (every rank calls it with
         its own tokens; they are summed).
         """
-        self._usable()
-        if self.budget_reached:
-            raise LearnerError(
-                f"the budget of {self.budget_steps} local steps is reached: call finish()"
-            )
-        total = self._link.sum_tokens(int(tokens))
-        plan: Plan | None = None
-        error: BaseException | None = None
-        if self.is_leader:
-            try:
-                session = self._leader_session()
-                session.record_step(total)
-                plan = self._plan(self._client_items(0.0))
-            except BaseException as exc:  # every rank must hear of it before anyone raises
-                error = exc
-                plan = Plan(PlanStatus.FAILED, error=str(exc))
-        self._run(plan, error)
-        self._local_step += 1
-        self._tokens += total
+        with self._one_caller():
+            self._usable()
+            if self.budget_reached:
+                raise LearnerError(
+                    f"the budget of {self.budget_steps} local steps is reached: call finish()"
+                )
+            total = self._link.sum_tokens(_checked_tokens(tokens))
+            plan: Plan | None = None
+            error: BaseException | None = None
+            if self.is_leader:
+                try:
+                    session = self._leader_session()
+                    session.record_step(total)
+                    plan = self._plan(self._client_items(0.0))
+                except BaseException as exc:  # every rank must hear of it before anyone raises
+                    error = exc
+                    plan = Plan(PlanStatus.FAILED, error=str(exc))
+            self._run(plan, error)
+            self._local_step += 1
+            self._tokens += total
 
     def finish(self, timeout: float | None = None) -> None:
         """Wait for the final state, apply it, ACK it, and save the learner's artifact.
@@ -379,24 +385,26 @@ class Learner:
         cut (or its SHUTDOWN after our ACK) does not arrive within ``timeout`` seconds
         (default ``finish_timeout``); nothing local is ever saved in its place.
         """
-        self._usable()
-        if self.budget_reached and not self.budget_reported:
-            self.report_budget()
-        limit = self.finish_timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        self._service_until(
-            lambda: self._shutdown,
-            deadline,
-            lambda: FinishTimeout(
-                f"the syncer at {self.syncer_address} did not complete finalization within "
-                f"{limit:g} s (final state {'applied' if self.final_global_step else 'missing'})"
-            ),
-            finishing=True,
-        )
-        self._finished = True
-        if self.is_leader:
-            self._close_client()
-            self._save_artifact()
+        with self._one_caller():
+            self._usable()
+            if self.budget_reached and not self.budget_reported:
+                self.report_budget()
+            limit = self.finish_timeout if timeout is None else timeout
+            deadline = time.monotonic() + limit
+            self._service_until(
+                lambda: self._shutdown,
+                deadline,
+                lambda: FinishTimeout(
+                    f"the syncer at {self.syncer_address} did not complete finalization "
+                    f"within {limit:g} s (final state "
+                    f"{'applied' if self.final_global_step else 'missing'})"
+                ),
+                finishing=True,
+            )
+            self._finished = True
+            if self.is_leader:
+                self._close_client()
+                self._save_artifact()
 
     @property
     def budget_reached(self) -> bool:
@@ -410,16 +418,34 @@ class Learner:
         anchors; pulls of the cutoff syncer are not answered; after the reconnect each pull is
         answered with ``frozen − anchor`` and ``c_steps = local_step = budget``.
         """
-        self._usable()
-        if not self.budget_reached or self.budget_reported:
+        with self._one_caller():
+            self._usable()
+            if not self.budget_reached or self.budget_reported:
+                raise LearnerError(
+                    f"BUDGET_DONE needs exactly {self.budget_steps} local steps, sent once "
+                    f"(at {self._local_step}, {'already' if self.budget_reported else 'not'} sent)"
+                )
+            if self.is_leader:
+                self._send(self._leader_session().budget_done())
+                self._budget_epoch = self._epoch
+            self.budget_reported = True
+
+    @contextlib.contextmanager
+    def _one_caller(self) -> Iterator[None]:
+        """Refuse a second thread while one is inside step/finish/report_budget.
+
+        They read and write the model, the session and the plan being applied: two threads at
+        once send PUSHes built from half-blended parameters without any error.
+        """
+        if not self._calls.acquire(blocking=False):
             raise LearnerError(
-                f"BUDGET_DONE needs exactly {self.budget_steps} local steps, sent once "
-                f"(at {self._local_step}, {'already' if self.budget_reported else 'not'} sent)"
+                "Learner is not thread-safe: step(), finish() and report_budget() were called "
+                "from two threads at once"
             )
-        if self.is_leader:
-            self._send(self._leader_session().budget_done())
-            self._budget_epoch = self._epoch
-        self.budget_reported = True
+        try:
+            yield
+        finally:
+            self._calls.release()
 
     def close(self) -> None:
         """Stop the network client without finalizing (e.g. on an error in the training loop)."""
@@ -641,6 +667,16 @@ class Learner:
             "layout": LAYOUT_FILE,
         }
         _write_text_atomically(self.out_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+
+
+def _checked_tokens(tokens: int) -> int:
+    """A step's token count, refused before anything changes when it could not be one."""
+    # bool is an int, and 2.9 tokens must not quietly become 2.
+    if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral):
+        raise ValueError(f"tokens must be an integer, got {type(tokens).__name__}")
+    if not 0 <= tokens < 1 << 64:
+        raise ValueError(f"tokens must be in 0..2^64-1, got {tokens}")
+    return int(tokens)
 
 
 def _write_text_atomically(path: Path, text: str) -> None:
