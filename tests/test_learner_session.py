@@ -314,6 +314,30 @@ def test_different_bytes_at_the_same_version_are_fatal(dtype: WireDtype) -> None
             later()
 
 
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_broadcast_is_the_syncers_violation_and_never_blended(
+    dtype: WireDtype, bad: float
+) -> None:
+    t = connected(dtype)
+    values = globals_for(1)[2].copy()
+    values[-1] = bad
+    with raises_code(ErrorCode.NON_FINITE_VALUE):
+        t.receive(bcast(t.session, 2, 6, values))
+    assert t.session.phase is Phase.FAILED and t.blends == []
+
+
+def test_a_non_finite_final_fragment_is_never_applied() -> None:
+    t = connected(WireDtype.F32)
+    cut = final_cut()
+    cut[1] = cut[1].copy()
+    cut[1][0] = np.inf
+    with raises_code(ErrorCode.NON_FINITE_VALUE):
+        for message in final_messages(cut):
+            t.receive(message)
+    assert t.session.phase is Phase.FAILED
+
+
 def test_conflict_is_judged_on_bits_not_values() -> None:
     """+0.0 and -0.0 compare equal as floats but are different bytes."""
     t = connected(WireDtype.F32)

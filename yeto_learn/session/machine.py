@@ -302,7 +302,7 @@ class LearnerSession:
                 return self._final.add_fragment(
                     p,
                     message.version,
-                    lambda: decode_tensor(message.data, WireDtype.F32, numel, push=False),
+                    lambda: _finite_from_syncer(message, WireDtype.F32, numel),
                 )
             case FinalManifest():
                 return self._final.add_manifest(message)
@@ -329,7 +329,7 @@ class LearnerSession:
         p, numel = self._check_tensor(FrameType.BCAST_FRAGMENT, message)
 
         def decode() -> NDArray[np.float32]:
-            return decode_tensor(message.data, self.dtype, numel, push=False)
+            return _finite_from_syncer(message, self.dtype, numel)
 
         if p in self._awaiting_first:
             # The syncer's replay of its current version to this generation: authoritative,
@@ -520,3 +520,17 @@ def _check_finite(values: NDArray[np.float32], what: str) -> None:
     # The syncer rejects non-finite INIT and PUSH values and disconnects; fail here instead.
     if not all_finite(values):
         raise LocalProtocolError(ErrorCode.NON_FINITE_VALUE, f"{what} is not finite")
+
+
+def _finite_from_syncer(
+    message: BcastFragment | FinalFragment, dtype: WireDtype, numel: int
+) -> NDArray[np.float32]:
+    """The tensor the syncer sent; a NaN or infinity is its violation, never blended in."""
+    values = decode_tensor(message.data, dtype, numel, push=False)
+    if not all_finite(values):
+        raise RemoteProtocolError(
+            ErrorCode.NON_FINITE_VALUE,
+            f"{message.TYPE.name} of fragment {message.fragment_id} at version "
+            f"{message.version} holds NaN or infinity",
+        )
+    return values
