@@ -4,7 +4,7 @@
 Run ``python conformance/generate_vectors.py [--out DIR]``. The output is deterministic (sorted
 keys, fixed seeds, no clock); ``conformance/test_vectors.py`` regenerates into a temporary
 directory and requires every committed byte to be reproduced. The committed files are the
-golden truth: a change here that alters them is a protocol change (see PINNED.md).
+golden truth: a change here that alters them is a protocol change (see spec/conformance.md).
 
 This script deliberately imports nothing from ``yeto_proto``. Every frame is written byte by
 byte with ``struct.pack`` from the pinned layout, every ``decoded`` field is the value that was
@@ -32,7 +32,7 @@ import numpy.typing as npt
 Json = dict[str, Any]
 F32Array = npt.NDArray[np.float32]
 
-# -- protocol numbers, restated from PINNED.md ---------------------------------------------------
+# -- protocol numbers, restated from spec/ ------------------------------------------------------
 MAGIC = 0xD170C0DE
 HEADER = struct.Struct("<IBQ")  # magic:u32 | type:u8 | len:u64
 HEADER_SIZE = HEADER.size
@@ -103,7 +103,7 @@ FLAG_NOTES = {
 }
 
 
-# -- reference arithmetic (own implementations of PINNED.md) -------------------------------------
+# -- reference arithmetic (own implementations of spec/) -----------------------------------------
 
 
 def bf16_from_f32(values: F32Array) -> npt.NDArray[np.uint16]:
@@ -223,7 +223,7 @@ class NamedLayout:
         return tuple(sum(t.numel for t in f.tensors) for f in self.fragments)
 
     def canonical(self) -> bytes:
-        """The fingerprint preimage of PINNED.md § HELLO and DATA_HELLO."""
+        """The fingerprint preimage of spec/identity.md § 1."""
         out = LAYOUT_DOMAIN + struct.pack("<I", len(self.fragments))
         for fragment in self.fragments:
             out += struct.pack("<BI", fragment.mode, len(fragment.tensors))
@@ -358,7 +358,7 @@ class Session:
             ctx["hello_key"] = hello_key.hex()
         return ctx
 
-    # Tensor byte counts, as the limits of PINNED.md § Framing derive them.
+    # Tensor byte counts, as the limits of spec/wire.md § 3 derive them.
     def bulk_itemsize(self) -> int:
         return 4 if self.dtype == F32 else 2
 
@@ -424,7 +424,7 @@ OTHER_KEY = b"another key"
 
 @dataclass(frozen=True)
 class Profile:
-    """Every field of the syncer profile hash, in the pinned order (PINNED.md)."""
+    """Every field of the syncer profile hash, in the pinned order (spec/identity.md)."""
 
     learners: int
     total_steps: int
@@ -1622,6 +1622,18 @@ def push_fragment_file() -> Json:
             push_fragment(f32.push_delta(0, "x")[:-4])[0],
             "BAD_TENSOR_LENGTH",
             "SessionSize",
+        ),
+        invalid(
+            "c_steps 0 and fragment_id 2 = F: c_steps, a fixed field, is checked first",
+            push_fragment(f32.push_delta(1, "x"), fragment_id=2, c_steps=0)[0],
+            "ZERO_C_STEPS",
+            "CheckOrder",
+        ),
+        invalid(
+            "c_steps 0 and one element short: c_steps is checked before the tensor length",
+            push_fragment(f32.push_delta(0, "x")[:-4], c_steps=0)[0],
+            "ZERO_C_STEPS",
+            "CheckOrder",
         ),
         invalid(
             "fragment 1 with fragment 0's byte count",

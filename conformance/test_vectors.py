@@ -666,9 +666,11 @@ def test_bf16_codec(case: Case) -> None:
     if case.result == "valid":
         assert got.tobytes().hex() == test["bf16"]
         return
-    # acceptable: the inputs are NaNs; any quiet bf16 NaN (exponent all ones, quiet bit) will do.
-    assert np.isnan(f32_of(test["f32"])).all()
+    # acceptable: the inputs are NaNs; any quiet bf16 NaN of the same sign will do.
+    inputs = f32_of(test["f32"])
+    assert np.isnan(inputs).all()
     assert ((got & 0x7F80) == 0x7F80).all() and ((got & 0x0040) != 0).all()
+    assert ((got >> 15) == (inputs.view("<u4") >> 31)).all(), "a NaN keeps its sign"
 
 
 @params(cases("Q4CodecTest"))
