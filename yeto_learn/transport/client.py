@@ -11,6 +11,9 @@ thread-safe queues:
   It comes back through the inbox as ``Undelivered``, as does every whole message still queued
   unbegun when its group dies, so nothing is lost without the training thread knowing.
 
+``close`` abandons a dial in progress, or flushes the current group for at most
+``close_flush`` seconds; either way the thread and its sockets are gone within that bound.
+
 The client knows nothing of anchors or pulls (that is :class:`~yeto_learn.session.
 LearnerSession`, driven by the training thread); it dials groups, frames, stripes and
 reassembles, sends a HEARTBEAT every second, and redials a lost group with a fresh random
@@ -72,6 +75,8 @@ class ClientConfig:
     heartbeat_interval: float = HEARTBEAT_INTERVAL_S
     hello_key: bytes | None = None
     slice_size: int = CHUNK_SLICE_SIZE
+    #: How long ``close`` lets queued frames drain before it cuts the sockets.
+    close_flush: float = CLOSE_FLUSH_S
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_streams <= MAX_STREAMS:
@@ -120,6 +125,7 @@ class SyncerClient:
         self._terminal = False  # ERROR or SHUTDOWN seen: never redial
         self._ever_served = False  # some group got a frame from the syncer
         self._stop: anyio.Event | None = None
+        self._dial_scope: anyio.CancelScope | None = None
         self._recv_buffer = bytearray(RECV_BUFFER_SIZE)
 
     # -- the training thread's side --------------------------------------------------------
@@ -152,12 +158,13 @@ class SyncerClient:
         except queue.Empty:
             return None
 
-    def close(self, timeout: float = CLOSE_FLUSH_S + 1.0) -> None:
-        """Flush what is queued (briefly), close the sockets and stop the thread."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the client: abandon a dial in progress, or flush the group's queued frames for
+        at most ``close_flush`` seconds; close the sockets and wait for the thread to end."""
         self._close_requested = True
         self._wake()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(self.config.close_flush + 1.0 if timeout is None else timeout)
         if self._thread is None or not self._thread.is_alive():
             self._wake_reader.close()
             self._wake_writer.close()
@@ -189,6 +196,8 @@ class SyncerClient:
             self._dispatch_outbox()
             if self._close_requested and self._stop is not None and not self._stop.is_set():
                 self._stop.set()
+                if self._dial_scope is not None:
+                    self._dial_scope.cancel()
                 if self._group is not None:
                     self._group.stop("closed by the learner", flush=True)
 
@@ -235,6 +244,8 @@ class SyncerClient:
                     self._fail(self.unreachable())
                     return
                 continue
+            if group is None:  # closed while dialing
+                return
             try:
                 reason = await self._serve(group)
             except ProtocolError as exc:
@@ -267,21 +278,34 @@ class SyncerClient:
             f"{what} (last error: {self.last_error or 'none'}); is yeto-sync running there?"
         )
 
-    async def _dial(self) -> ConnectionGroup:
-        """Open stream 0 and the data sockets of a new generation; queue HELLO, DATA_HELLOs."""
+    async def _dial(self) -> ConnectionGroup | None:
+        """Open stream 0 and the data sockets of a new generation; queue HELLO, DATA_HELLOs.
+
+        ``None`` once ``close`` was requested: a dial left running would join the session
+        after the learner gave up on it.
+        """
+        assert self._stop is not None
         cfg = self.config
         generation = fresh_generation(set(self.generations))
         self.generations.append(generation)
         hello = replace(self._hello, generation=generation)
         sockets: list[socket.socket] = []
         try:
-            with anyio.fail_after(DIAL_TIMEOUT_S):
+            with anyio.CancelScope() as self._dial_scope, anyio.fail_after(DIAL_TIMEOUT_S):
+                if self._stop.is_set():
+                    self._dial_scope.cancel()
                 for _ in range(1 + cfg.num_streams):
                     sockets.append(await open_socket(cfg.host, cfg.port))
         except BaseException:
             for sock in sockets:
                 sock.close()
             raise
+        finally:
+            self._dial_scope = None
+        if self._stop.is_set():  # cancelled, or the close came as the last socket opened
+            for sock in sockets:
+                sock.close()
+            return None
         epoch = self._epoch + 1
         group = ConnectionGroup(
             sockets,
@@ -309,6 +333,7 @@ class SyncerClient:
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(self._heartbeats, group)
+                tasks.start_soon(self._cut_close_flush, group)
                 try:
                     await group.run()
                 except ProtocolError as exc:
@@ -325,10 +350,21 @@ class SyncerClient:
         return group.reason
 
     async def _heartbeats(self, group: ConnectionGroup) -> None:
+        assert self._stop is not None
         learner_id = self._hello.learner_id
         while not group.ended:
             await anyio.sleep(self.config.heartbeat_interval)
+            if self._stop.is_set():  # closing: nothing more to add to the flush
+                return
             group.send(Heartbeat(learner_id, self.local_step))
+
+    async def _cut_close_flush(self, group: ConnectionGroup) -> None:
+        """Once ``close`` was requested, end the group after ``close_flush`` seconds even if
+        its queues have not drained (a syncer reading a byte now and then never stalls it)."""
+        assert self._stop is not None
+        await self._stop.wait()
+        await anyio.sleep(self.config.close_flush)
+        group.stop("closed by the learner", flush=False)
 
     def _deliver(self, epoch: int, message: AnyMessage) -> None:
         self._post(Received(epoch, message))

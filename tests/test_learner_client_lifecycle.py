@@ -1,0 +1,146 @@
+"""The learner client's lifecycle: closing it (during a dial, during a flush).
+
+Scripted syncers on 127.0.0.1 as in ``test_learner_client``; a syncer that "hangs a dial" is a
+listener with a full accept queue, which drops the client's SYN so its connect stays pending.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from test_learner_client import (
+    HELLO,
+    LIMITS,
+    ScriptedSyncer,
+    next_item,
+    start_client,
+    tiny_model,
+)
+
+from yeto_learn import Learner, SyncerUnreachable
+from yeto_learn.transport import (
+    ClientConfig,
+    GroupLost,
+    GroupUp,
+    SyncerClient,
+    Undelivered,
+)
+from yeto_proto import (
+    FinalAck,
+    PushFragment,
+)
+
+CLIENT_THREAD = "yeto-learner-client"
+
+
+@pytest.fixture
+def syncer() -> Iterator[ScriptedSyncer]:
+    scripted = ScriptedSyncer()
+    yield scripted
+    scripted.close()
+
+
+@pytest.fixture
+def make_client() -> Iterator[list[SyncerClient]]:
+    clients: list[SyncerClient] = []
+    yield clients
+    for client in clients:
+        client.close()
+
+
+@pytest.fixture
+def hanging_port() -> Iterator[int]:
+    """A port whose accept queue is full: a connect to it stays pending (SYNs are dropped)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)  # room for one connection
+    port: int = listener.getsockname()[1]
+    filler = socket.create_connection(("127.0.0.1", port), timeout=2)
+    yield port
+    filler.close()
+    listener.close()
+
+
+def open_fds() -> set[str]:
+    gc.collect()  # sockets an earlier test dropped close now, not during the test
+    return set(os.listdir("/proc/self/fd"))
+
+
+def client_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == CLIENT_THREAD and t.is_alive()]
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+
+
+# -- close() ----------------------------------------------------------------------------------
+@needs_proc
+def test_close_during_a_dial_abandons_it_and_leaves_no_thread_or_socket(
+    hanging_port: int,
+) -> None:
+    fds_before = open_fds()
+    client = SyncerClient(ClientConfig("127.0.0.1", hanging_port, num_streams=0), HELLO, LIMITS)
+    client.start()
+    wait_for(lambda: client.generations)  # the dial has begun
+    time.sleep(0.1)  # its connect is pending
+    started = time.monotonic()
+    client.close()
+    assert time.monotonic() - started < 0.5
+    assert not client.running  # a dial left running would join the session later
+    assert client.poll() == []  # no group came up
+    assert open_fds() <= fds_before  # no socket left open
+
+
+def test_a_learner_that_cannot_start_leaves_no_client_behind(hanging_port: int) -> None:
+    started = time.monotonic()
+    with pytest.raises(SyncerUnreachable):
+        Learner(tiny_model(), syncer=f"127.0.0.1:{hanging_port}", learner_id=1,
+                num_learners=2, fragments=2, streams=0, run_id="r",
+                connect_timeout=0.5)  # fmt: skip
+    assert time.monotonic() - started < 1.5
+    assert client_threads() == []
+
+
+def test_close_flushes_what_is_queued(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    client = start_client(make_client, syncer.port, num_streams=0, heartbeat_interval=60)
+    group = syncer.accept_group(0)
+    assert isinstance(next_item(client), GroupUp)
+    client.send(1, FinalAck(9))
+    client.close()
+    assert group.control.read() == FinalAck(9)
+    assert not client.running
+    group.close()
+
+
+def test_close_cuts_a_flush_the_syncer_does_not_read_after_close_flush(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    client = start_client(
+        make_client, syncer.port, num_streams=0, heartbeat_interval=60, close_flush=0.3
+    )
+    group = syncer.accept_group(0)
+    assert isinstance(next_item(client), GroupUp)
+    client.send(1, PushFragment(3, 0, 1, 1, 0, 1, 1, 1, memoryview(bytes(64 << 20))))
+    client.send(1, FinalAck(9))  # queued behind a PUSH the syncer never takes in
+    wait_for(lambda: client.counters.bytes_sent > 0)
+    started = time.monotonic()
+    client.close()
+    assert time.monotonic() - started < 1.0
+    assert not client.running
+    assert client.poll() == [Undelivered(1, FinalAck(9)), GroupLost(1, "closed by the learner")]
+    group.close()
