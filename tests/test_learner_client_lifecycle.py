@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from syncer_process import free_port
 from test_learner_client import (
     HELLO,
     LIMITS,
@@ -112,6 +113,23 @@ def test_a_learner_that_cannot_start_leaves_no_client_behind(hanging_port: int) 
                 connect_timeout=0.5)  # fmt: skip
     assert time.monotonic() - started < 1.5
     assert client_threads() == []
+
+
+def test_a_learner_that_fails_to_start_closes_its_client_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    closes: list[SyncerClient] = []
+    close = SyncerClient.close
+
+    def counted_close(client: SyncerClient, timeout: float | None = None) -> None:
+        closes.append(client)
+        close(client, timeout)
+
+    monkeypatch.setattr(SyncerClient, "close", counted_close)
+    with pytest.raises(SyncerUnreachable):
+        Learner(tiny_model(), syncer=f"127.0.0.1:{free_port()}", learner_id=0,
+                num_learners=1, fragments=2, connect_timeout=0.3)  # fmt: skip
+    assert len(closes) == 1  # each close waits for the thread again
 
 
 def test_close_flushes_what_is_queued(

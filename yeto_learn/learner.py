@@ -268,6 +268,7 @@ class Learner:
         self.contract = b""
         self._session: LearnerSession | None = None
         self._client: SyncerClient | None = None
+        self._client_closed = False
         self._epoch = 0
         self._adopted = [False] * len(self._params.numels)
         self._final: ApplyFinal | None = None
@@ -642,7 +643,10 @@ class Learner:
             raise LearnerError("the learner finished; build a new one for another run")
 
     def _close_client(self) -> None:
-        if self._client is not None:
+        # Once: a failure closes it before the caller's cleanup does, and each close of a
+        # client whose thread will not end waits for it again.
+        if self._client is not None and not self._client_closed:
+            self._client_closed = True
             self._client.close()
 
     def _save_artifact(self) -> None:
