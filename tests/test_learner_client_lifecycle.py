@@ -1,4 +1,4 @@
-"""The learner client's lifecycle: closing it (during a dial, during a flush).
+"""The learner client's lifecycle: closing it (during a dial, during a flush) and its bounded inbox.
 
 Scripted syncers on 127.0.0.1 as in ``test_learner_client``; a syncer that "hangs a dial" is a
 listener with a full accept queue, which drops the client's SYN so its connect stays pending.
@@ -6,6 +6,7 @@ listener with a full accept queue, which drops the client's SYN so its connect s
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
@@ -13,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 from syncer_process import free_port
 from test_learner_client import (
@@ -29,12 +31,21 @@ from yeto_learn.transport import (
     ClientConfig,
     GroupLost,
     GroupUp,
+    Received,
     SyncerClient,
     Undelivered,
 )
+from yeto_learn.transport.client import MESSAGE_OVERHEAD_BYTES
 from yeto_proto import (
+    BcastFragment,
     FinalAck,
+    Limits,
+    MergeMode,
     PushFragment,
+    WireDtype,
+    WireFragment,
+    WireLayout,
+    encode_bytes,
 )
 
 CLIENT_THREAD = "yeto-learner-client"
@@ -162,3 +173,73 @@ def test_close_cuts_a_flush_the_syncer_does_not_read_after_close_flush(
     assert not client.running
     assert client.poll() == [Undelivered(1, FinalAck(9)), GroupLost(1, "closed by the learner")]
     group.close()
+
+
+# -- the bounded inbox ------------------------------------------------------------------------
+MIB_FRAGMENT = WireLayout((WireFragment(MergeMode.AVG, (1 << 18,)),))  # 1 MiB of f32
+MIB_LIMITS = Limits.of(WireDtype.F32, MIB_FRAGMENT)
+BROADCASTS = 48  # far more than the inbox cap plus both sockets' buffers
+INBOX_CAP = 2 << 20
+
+
+def start_flooded_client(
+    syncer: ScriptedSyncer, clients: list[SyncerClient]
+) -> tuple[SyncerClient, socket.socket, threading.Thread]:
+    """A client with a 2 MiB inbox cap whose syncer sends 48 BCASTs of 1 MiB from a thread."""
+    config = ClientConfig(
+        "127.0.0.1", syncer.port, num_streams=0, heartbeat_interval=60, inbox_cap_bytes=INBOX_CAP
+    )
+    client = SyncerClient(config, HELLO, MIB_LIMITS)
+    client.start()
+    clients.append(client)
+    group = syncer.accept_group(0)
+    assert isinstance(next_item(client), GroupUp)
+    values = np.ones(1 << 18, dtype=np.float32).view(np.uint8).data
+
+    def flood() -> None:
+        with contextlib.suppress(OSError):  # the client may close while it still sends
+            for version in range(1, BROADCASTS + 1):
+                group.control.sock.sendall(encode_bytes(BcastFragment(0, version, values)))
+
+    sender = threading.Thread(target=flood, daemon=True)
+    sender.start()
+    return client, group.control.sock, sender
+
+
+def test_a_full_inbox_stops_reading_until_the_training_thread_drains_it(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    client, sock, sender = start_flooded_client(syncer, make_client)
+    try:
+        sender.join(1.0)
+        assert sender.is_alive(), "the syncer sent everything: nothing held it back"
+        message_bytes = (1 << 20) + MESSAGE_OVERHEAD_BYTES
+        assert client.inbox_bytes <= INBOX_CAP + message_bytes  # the cap, plus the one over it
+        versions: list[int] = []
+        deadline = time.monotonic() + 20
+        while len(versions) < BROADCASTS and time.monotonic() < deadline:
+            item = client.wait(0.5)  # the training thread serves the syncer: reading resumes
+            if isinstance(item, Received):
+                assert isinstance(item.message, BcastFragment)
+                versions.append(item.message.version)
+        assert versions == list(range(1, BROADCASTS + 1))  # nothing lost, in order
+        sender.join(5)
+        assert not sender.is_alive()
+        assert client.inbox_bytes == 0
+    finally:
+        sock.close()
+
+
+def test_close_lets_go_of_a_reader_held_by_a_full_inbox(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    client, sock, sender = start_flooded_client(syncer, make_client)
+    try:
+        wait_for(lambda: client.inbox_bytes > INBOX_CAP)
+        started = time.monotonic()
+        client.close()
+        assert time.monotonic() - started < 1.0
+        assert not client.running
+    finally:
+        sock.close()
+        sender.join(5)

@@ -11,6 +11,8 @@ thread-safe queues:
   It comes back through the inbox as ``Undelivered``, as does every whole message still queued
   unbegun when its group dies, so nothing is lost without the training thread knowing.
 
+The inbox is bounded: while the syncer's messages in it hold more than ``inbox_cap_bytes``, the
+client stops reading (TCP then holds the syncer back) until the training thread drains it.
 ``close`` abandons a dial in progress, or flushes the current group for at most
 ``close_flush`` seconds; either way the thread and its sockets are gone within that bound.
 
@@ -60,6 +62,11 @@ HEARTBEAT_INTERVAL_S = 1.0
 DIAL_TIMEOUT_S = 10.0
 #: How long ``close`` lets queued frames drain before it cuts the sockets.
 CLOSE_FLUSH_S = 2.0
+#: The inbox's allowance beyond two of the largest fragment (see :func:`default_inbox_cap`).
+INBOX_BASE_BYTES = 64 << 20
+#: What one queued message is counted as on top of its tensor bytes (its Python objects), so a
+#: flood of small frames is bounded too.
+MESSAGE_OVERHEAD_BYTES = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +84,8 @@ class ClientConfig:
     slice_size: int = CHUNK_SLICE_SIZE
     #: How long ``close`` lets queued frames drain before it cuts the sockets.
     close_flush: float = CLOSE_FLUSH_S
+    #: The syncer's message bytes the inbox may hold before reading pauses (None: by limits).
+    inbox_cap_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_streams <= MAX_STREAMS:
@@ -87,6 +96,18 @@ class ClientConfig:
     @property
     def address(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def default_inbox_cap(limits: Limits) -> int:
+    """How far the client reads ahead of a busy training thread, in message bytes.
+
+    Any cap is safe: a message that arrives is always queued whole, and the training thread
+    drains the whole inbox whenever it serves the syncer, so the cap only trades memory for
+    read-ahead. The constant lets a small model's whole replay (every fragment after a redial)
+    arrive between two steps; two f32 copies of the largest fragment (a BCAST and a
+    FINAL_FRAGMENT of it) keep a large model's biggest messages from waiting on each other.
+    """
+    return INBOX_BASE_BYTES + 2 * 4 * limits.max_numel
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -112,7 +133,12 @@ class SyncerClient:
         self.generations: list[int] = []
         #: Why the last dial failed or the last group ended.
         self.last_error = ""
-        self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
+        #: Each item with the bytes it holds (0 for anything but a syncer's message).
+        self._inbox: queue.SimpleQueue[tuple[InboxItem, int]] = queue.SimpleQueue()
+        self._inbox_cap = config.inbox_cap_bytes or default_inbox_cap(limits)
+        #: Guards ``_inbox_bytes``; the client thread waits on it while the inbox is full.
+        self._inbox_room = threading.Condition()
+        self._inbox_bytes = 0
         self._outbox: deque[tuple[int, AnyMessage]] = deque()
         self._wake_reader, self._wake_writer = socket.socketpair()
         self._wake_reader.setblocking(False)
@@ -145,23 +171,37 @@ class SyncerClient:
     def poll(self) -> list[InboxItem]:
         """Every inbox item available now (never blocks)."""
         items: list[InboxItem] = []
+        freed = 0
         while True:
             try:
-                items.append(self._inbox.get_nowait())
+                item, size = self._inbox.get_nowait()
             except queue.Empty:
+                self._taken(freed)
                 return items
+            items.append(item)
+            freed += size
 
     def wait(self, timeout: float) -> InboxItem | None:
         """The next inbox item, waiting at most ``timeout`` seconds."""
         try:
-            return self._inbox.get(timeout=max(timeout, 0.0))
+            item, size = self._inbox.get(timeout=max(timeout, 0.0))
         except queue.Empty:
             return None
+        self._taken(size)
+        return item
+
+    @property
+    def inbox_bytes(self) -> int:
+        """Bytes of the syncer's messages waiting in the inbox."""
+        with self._inbox_room:
+            return self._inbox_bytes
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the client: abandon a dial in progress, or flush the group's queued frames for
         at most ``close_flush`` seconds; close the sockets and wait for the thread to end."""
-        self._close_requested = True
+        with self._inbox_room:
+            self._close_requested = True
+            self._inbox_room.notify_all()  # a reader held back by a full inbox lets go
         self._wake()
         if self._thread is not None:
             self._thread.join(self.config.close_flush + 1.0 if timeout is None else timeout)
@@ -211,8 +251,32 @@ class SyncerClient:
                 self.counters.frames_dropped += 1
                 self._post(Undelivered(epoch, message))
 
-    def _post(self, item: InboxItem) -> None:
-        self._inbox.put(item)
+    def _post(self, item: InboxItem, size: int = 0) -> None:
+        if size:
+            with self._inbox_room:
+                self._inbox_bytes += size
+        self._inbox.put((item, size))
+
+    def _taken(self, size: int) -> None:
+        if size:
+            with self._inbox_room:
+                self._inbox_bytes -= size
+                if self._inbox_bytes <= self._inbox_cap:
+                    self._inbox_room.notify_all()
+
+    def _hold_while_inbox_full(self) -> None:
+        """Backpressure: while the training thread is away and the inbox is over its cap, this
+        thread (and so every socket's reader) waits; TCP then slows the syncer down.
+
+        Blocking the whole event loop is coarse — heartbeats and writes wait too — but the
+        reader sits inside ConnectionGroup, and the training thread sends nothing while it is
+        away. It cannot deadlock: every message that arrived is already queued, and the
+        training thread drains the whole inbox whenever it serves the syncer (``step``, the
+        start and ``finish`` loops); ``close`` releases the wait as well.
+        """
+        with self._inbox_room:
+            while self._inbox_bytes > self._inbox_cap and not self._close_requested:
+                self._inbox_room.wait()
 
     def _fail(self, error: SyncerUnreachable | SyncerProtocolViolation) -> None:
         self._post(ClientFailed(error))
@@ -367,12 +431,18 @@ class SyncerClient:
         group.stop("closed by the learner", flush=False)
 
     def _deliver(self, epoch: int, message: AnyMessage) -> None:
-        self._post(Received(epoch, message))
+        self._post(Received(epoch, message), _held_bytes(message))
         if isinstance(message, ErrorMessage | Shutdown):
             # ERROR is fatal and SHUTDOWN completes the run: neither is followed by a redial.
             self._terminal = True
             if self._group is not None:
                 self._group.stop("the syncer ended the session", flush=True)
+        self._hold_while_inbox_full()
+
+
+def _held_bytes(message: AnyMessage) -> int:
+    data = getattr(message, "data", None)
+    return MESSAGE_OVERHEAD_BYTES + (data.nbytes if isinstance(data, memoryview) else 0)
 
 
 def _describe(exc: BaseException) -> str:
