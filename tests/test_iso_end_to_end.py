@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -318,6 +319,29 @@ def test_a_hanging_worker_fails_the_run_and_the_last_good_checkpoint_resumes(
     for learner in learners:
         assert check_bcasts(learner, after) == 4
     assert read_checkpoint(checkpoint).global_step == TOTAL_STEPS
+
+
+def test_sigterm_during_a_hanging_solve_stops_within_seconds(tmp_path: Path) -> None:
+    """The commit waits in the coordinator's thread; the signal still runs and fails the solve."""
+    checkpoint = tmp_path / "ckpt"
+    initial = [np.linspace(-1, 1, n, dtype=np.float32) for n in LAYOUT.numels]
+    # Round 1's first matrix hangs; the default deadline would hold the daemon for a minute.
+    fault = {"YETO_ISO_WORKERS": "1", "YETO_ISO_FAULT": "hang"}
+    with Daemon(*flags(checkpoint, "--iso-backend=torch-svd"), env=fault) as daemon:
+        pids = worker_pids(daemon)
+        learners, _, _ = make_learners(daemon, 1, initial=initial)
+        threads, _ = play(learners)
+        wait_until(lambda: all(lr.pushes for lr in learners), 30, "round 1's pushes")
+        time.sleep(1.5)  # round 1's commit now waits for the hung solve
+        daemon.signal(signal.SIGTERM)
+        began = time.monotonic()
+        code = daemon.wait(30)
+        took = time.monotonic() - began
+        join(threads)
+    assert code == 128 + signal.SIGTERM, daemon.stderr
+    assert took < 10, f"stopping took {took:.1f} s"
+    assert last_line(daemon) == "yeto-sync: stopped by SIGTERM; no checkpoint was written"
+    assert not [pid for pid in pids if alive(pid)]
 
 
 def test_an_idle_worker_killed_from_outside_blocks_the_next_checkpoint(tmp_path: Path) -> None:

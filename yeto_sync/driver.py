@@ -18,6 +18,7 @@ import datetime as dt
 import json
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,8 @@ class IsoPoolGate(Protocol):
     """
 
     def drain(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 # -- structured log ------------------------------------------------------------------------------
@@ -210,9 +213,16 @@ class Driver:
         if self.exit is not None:
             return
         now = self.clock.now()
-        if self._streams_now():
+        # Off the event loop while BCASTs stream, and always with the iso pool: a commit may
+        # wait minutes for an SVD, and the signal handler must still run meanwhile.
+        if self._streams_now() or self.iso_pool is not None:
             # Not abandoned on cancellation: a stop waits for the event to be fully handled.
             actions = await anyio.to_thread.run_sync(self.coordinator.handle, event, now)
+            if self._stop_request is not None:
+                # Stopped while it ran (a stop fails the iso solve it waited for): what it
+                # decided is dropped like everything else in flight; the last checkpoint stays.
+                self._log("warning", "stopping: the event's actions are dropped", {})
+                return
         else:
             actions = self.coordinator.handle(event, now)
         for index, action in enumerate(actions):
@@ -310,6 +320,10 @@ class Driver:
         """Stop :meth:`run` now (a signal): cancel what is in progress, then shut down."""
         if self._stop_request is None:
             self._stop_request = Exit(code, reason)
+            if self.iso_pool is not None:
+                # Fails an SVD the coordinator's thread may be waiting for; closing joins the
+                # workers, so it runs beside the event loop, not on it.
+                threading.Thread(target=self.iso_pool.close, name="iso-pool-close").start()
         if self._run_scope is not None:
             self._run_scope.cancel()
 

@@ -64,6 +64,8 @@ STOP_GRACE_S: Final = 2.0
 SUPERVISOR_TICK_S: Final = 0.5
 #: Seconds to reap a killed worker; SIGKILL takes effect at once, this only bounds the join.
 REAP_TIMEOUT_S: Final = 5.0
+#: Beyond the close's own bounds, how long a second closer waits for the first one.
+CLOSE_MARGIN_S: Final = 5.0
 
 #: Seconds the workers get to import torch and report ready (a cold start on a busy machine).
 DEFAULT_STARTUP_DEADLINE_S: Final = 120.0
@@ -322,6 +324,7 @@ class IsoWorkerPool:
         self._completions = 0
         self._poison_reason: str | None = None
         self._closed = False
+        self._close_done = threading.Event()
         self._ids = itertools.count(1)
         self._workers: list[_Worker] = []
         self._wake_r, self._wake_w = os.pipe()
@@ -431,13 +434,26 @@ class IsoWorkerPool:
                 raise IsoPoolClosed("the iso pool is closed")
 
     def close(self) -> None:
-        """Fail what is admitted, stop the workers (killing any that linger). Idempotent."""
+        """Fail what is admitted, stop the workers (killing any that linger). Idempotent.
+
+        A second caller (the daemon's last clean-up while a stop's close still runs) returns
+        once the first is done, so no worker outlives the daemon's exit.
+        """
         with self._lock:
-            if self._closed:
-                return
+            closing_elsewhere = self._closed
             self._closed = True
-            self._fail_all_locked(IsoPoolClosed("the iso pool was closed"))
-            self._wake_locked()
+            if not closing_elsewhere:
+                self._fail_all_locked(IsoPoolClosed("the iso pool was closed"))
+                self._wake_locked()
+        if closing_elsewhere:
+            self._close_done.wait(REAP_TIMEOUT_S + STOP_GRACE_S + CLOSE_MARGIN_S)
+            return
+        try:
+            self._stop_workers()
+        finally:
+            self._close_done.set()
+
+    def _stop_workers(self) -> None:
         self._supervisor.join(REAP_TIMEOUT_S)
         for worker in self._workers:
             if worker.process.is_alive() and worker.job is None:
