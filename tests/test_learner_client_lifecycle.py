@@ -20,6 +20,7 @@ from syncer_process import free_port
 from test_learner_client import (
     HELLO,
     LIMITS,
+    ScriptedConnection,
     ScriptedSyncer,
     next_item,
     start_client,
@@ -184,7 +185,7 @@ INBOX_CAP = 2 << 20
 
 def start_flooded_client(
     syncer: ScriptedSyncer, clients: list[SyncerClient]
-) -> tuple[SyncerClient, socket.socket, threading.Thread]:
+) -> tuple[SyncerClient, ScriptedConnection, threading.Thread]:
     """A client with a 2 MiB inbox cap whose syncer sends 48 BCASTs of 1 MiB from a thread."""
     config = ClientConfig(
         "127.0.0.1", syncer.port, num_streams=0, heartbeat_interval=60, inbox_cap_bytes=INBOX_CAP
@@ -203,13 +204,13 @@ def start_flooded_client(
 
     sender = threading.Thread(target=flood, daemon=True)
     sender.start()
-    return client, group.control.sock, sender
+    return client, group.control, sender
 
 
 def test_a_full_inbox_stops_reading_until_the_training_thread_drains_it(
     syncer: ScriptedSyncer, make_client: list[SyncerClient]
 ) -> None:
-    client, sock, sender = start_flooded_client(syncer, make_client)
+    client, control, sender = start_flooded_client(syncer, make_client)
     try:
         sender.join(1.0)
         assert sender.is_alive(), "the syncer sent everything: nothing held it back"
@@ -227,13 +228,28 @@ def test_a_full_inbox_stops_reading_until_the_training_thread_drains_it(
         assert not sender.is_alive()
         assert client.inbox_bytes == 0
     finally:
-        sock.close()
+        control.sock.close()
+
+
+def test_a_full_inbox_holds_back_reads_only_the_learner_still_writes(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    """The pause is the readers': what the training thread queued still goes out meanwhile."""
+    client, control, sender = start_flooded_client(syncer, make_client)
+    try:
+        wait_for(lambda: client.inbox_bytes > INBOX_CAP)
+        client.send(1, FinalAck(5))
+        assert control.read() == FinalAck(5)
+        assert client.inbox_bytes > INBOX_CAP  # and the inbox is still full
+    finally:
+        control.sock.close()
+        sender.join(5)
 
 
 def test_close_lets_go_of_a_reader_held_by_a_full_inbox(
     syncer: ScriptedSyncer, make_client: list[SyncerClient]
 ) -> None:
-    client, sock, sender = start_flooded_client(syncer, make_client)
+    client, control, sender = start_flooded_client(syncer, make_client)
     try:
         wait_for(lambda: client.inbox_bytes > INBOX_CAP)
         started = time.monotonic()
@@ -241,5 +257,5 @@ def test_close_lets_go_of_a_reader_held_by_a_full_inbox(
         assert time.monotonic() - started < 1.0
         assert not client.running
     finally:
-        sock.close()
+        control.sock.close()
         sender.join(5)

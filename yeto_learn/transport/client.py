@@ -136,8 +136,8 @@ class SyncerClient:
         #: Each item with the bytes it holds (0 for anything but a syncer's message).
         self._inbox: queue.SimpleQueue[tuple[InboxItem, int]] = queue.SimpleQueue()
         self._inbox_cap = config.inbox_cap_bytes or default_inbox_cap(limits)
-        #: Guards ``_inbox_bytes``; the client thread waits on it while the inbox is full.
-        self._inbox_room = threading.Condition()
+        #: Guards ``_inbox_bytes`` (the training thread takes, the client thread adds).
+        self._inbox_lock = threading.Lock()
         self._inbox_bytes = 0
         self._outbox: deque[tuple[int, AnyMessage]] = deque()
         self._wake_reader, self._wake_writer = socket.socketpair()
@@ -193,16 +193,15 @@ class SyncerClient:
     @property
     def inbox_bytes(self) -> int:
         """Bytes of the syncer's messages waiting in the inbox."""
-        with self._inbox_room:
+        with self._inbox_lock:
             return self._inbox_bytes
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the client: abandon a dial in progress, or flush the group's queued frames for
         at most ``close_flush`` seconds; close the sockets and wait for the thread to end."""
-        with self._inbox_room:
+        with self._inbox_lock:
             self._close_requested = True
-            self._inbox_room.notify_all()  # a reader held back by a full inbox lets go
-        self._wake()
+        self._wake()  # also lets a reader held back by a full inbox go
         if self._thread is not None:
             self._thread.join(self.config.close_flush + 1.0 if timeout is None else timeout)
         if self._thread is None or not self._thread.is_alive():
@@ -220,6 +219,7 @@ class SyncerClient:
     # -- the event loop ----------------------------------------------------------------------
     async def _main(self) -> None:
         self._stop = anyio.Event()
+        self._room_changed = anyio.Event()
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(self._pump_outbox)
             try:
@@ -233,6 +233,9 @@ class SyncerClient:
             with contextlib.suppress(BlockingIOError):
                 while self._wake_reader.recv(4096):
                     pass
+            # Any wake-up may mean room in the inbox (or a close): held readers look again.
+            changed, self._room_changed = self._room_changed, anyio.Event()
+            changed.set()
             self._dispatch_outbox()
             if self._close_requested and self._stop is not None and not self._stop.is_set():
                 self._stop.set()
@@ -253,30 +256,34 @@ class SyncerClient:
 
     def _post(self, item: InboxItem, size: int = 0) -> None:
         if size:
-            with self._inbox_room:
+            with self._inbox_lock:
                 self._inbox_bytes += size
         self._inbox.put((item, size))
 
     def _taken(self, size: int) -> None:
-        if size:
-            with self._inbox_room:
-                self._inbox_bytes -= size
-                if self._inbox_bytes <= self._inbox_cap:
-                    self._inbox_room.notify_all()
+        if not size:
+            return
+        with self._inbox_lock:
+            was_full = self._inbox_bytes > self._inbox_cap
+            self._inbox_bytes -= size
+            room_now = was_full and self._inbox_bytes <= self._inbox_cap
+        if room_now:
+            self._wake()  # the event loop lets the held readers go (:meth:`_room_to_read`)
 
-    def _hold_while_inbox_full(self) -> None:
-        """Backpressure: while the training thread is away and the inbox is over its cap, this
-        thread (and so every socket's reader) waits; TCP then slows the syncer down.
+    def _inbox_full(self) -> bool:
+        with self._inbox_lock:
+            return self._inbox_bytes > self._inbox_cap and not self._close_requested
 
-        Blocking the whole event loop is coarse — heartbeats and writes wait too — but the
-        reader sits inside ConnectionGroup, and the training thread sends nothing while it is
-        away. It cannot deadlock: every message that arrived is already queued, and the
-        training thread drains the whole inbox whenever it serves the syncer (``step``, the
-        start and ``finish`` loops); ``close`` releases the wait as well.
+    async def _room_to_read(self) -> None:
+        """Backpressure: while the training thread is away and the inbox is over its cap, the
+        group's readers wait (TCP then slows the syncer down); heartbeats and writes go on.
+
+        It cannot deadlock: every message that arrived is already queued, and the training
+        thread drains the whole inbox whenever it serves the syncer (``step``, the start and
+        ``finish`` loops); ``close`` releases the wait as well.
         """
-        with self._inbox_room:
-            while self._inbox_bytes > self._inbox_cap and not self._close_requested:
-                self._inbox_room.wait()
+        while self._inbox_full():
+            await self._room_changed.wait()
 
     def _fail(self, error: SyncerUnreachable | SyncerProtocolViolation) -> None:
         self._post(ClientFailed(error))
@@ -378,6 +385,7 @@ class SyncerClient:
             counters=self.counters,
             recv_buffer=self._recv_buffer,
             slice_size=cfg.slice_size,
+            room_to_read=self._room_to_read,
         )
         frames = [encode(hello, hello_key=cfg.hello_key)]
         frames += [
@@ -437,7 +445,6 @@ class SyncerClient:
             self._terminal = True
             if self._group is not None:
                 self._group.stop("the syncer ended the session", flush=True)
-        self._hold_while_inbox_full()
 
 
 def _held_bytes(message: AnyMessage) -> int:

@@ -23,7 +23,7 @@ import errno
 import os
 import socket
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -161,8 +161,11 @@ class ConnectionGroup:
         slice_size: int = CHUNK_SLICE_SIZE,
         stall_timeout: float = SEND_STALL_TIMEOUT_S,
         read_watermark: int = READ_WATERMARK_CAP,
+        room_to_read: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._reassembler = Reassembler(Role.LEARNER, limits)
+        #: Awaited before each read: the receiver's backpressure (writes go on meanwhile).
+        self._room_to_read = room_to_read
         # CHUNK data is written straight into the reassembled message (no second copy).
         self._streams = [
             _Stream(
@@ -298,6 +301,8 @@ class ConnectionGroup:
         name = "stream 0" if stream.index == 0 else f"data stream {stream.index - 1}"
         watermark = ReceiveWatermark(sock, self._read_watermark)
         while True:
+            if self._room_to_read is not None:
+                await self._room_to_read()
             into, direct = decoder.next_read(view)
             try:
                 size = sock.recv_into(into)
