@@ -7,12 +7,19 @@ check and the safetensors export, for f32 and q4.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from syncer_process import REPO, child_env
 
 from yeto_learn import cli
 from yeto_learn.bench_closure import (
@@ -201,6 +208,105 @@ def test_bench_command_exits_nonzero_when_the_closure_fails(
     assert cli.main(["bench", "--out", str(out)]) == 1
     assert "nothing exported" in capsys.readouterr().err
     assert cli.main(["bench", "--out", str(out), "--budget", "0"]) == 2
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--training-timeout", "nan"],
+        ["--consolidation-timeout", "inf"],
+        ["--training-timeout", "0"],
+    ],
+    ids=["nan", "inf", "zero"],
+)
+def test_bad_timeouts_are_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]
+) -> None:
+    assert cli.main(["bench", "--out", str(tmp_path / "b"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "must be a positive number of seconds" in err
+
+
+def test_an_output_directory_that_cannot_be_made_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert cli.main(["bench", "--out", str(blocker / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out" in err and "Traceback" not in err
+
+
+def test_sigterm_stops_the_bench_and_its_syncer(tmp_path: Path) -> None:
+    out = tmp_path / "stopped"
+    syncers: list[int] = []
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "yeto_learn.cli", "bench", "--out", str(out),
+         "--budget", "100000", "--fragments", "2", "--batch-size", "8"],
+        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        log = out / "syncer.log"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "listening" not in _text(log):
+            time.sleep(0.1)
+        syncers += [pid for pid in _pids_of("yeto_sync") if str(out) in _cmdline(pid)]
+        assert syncers, "the cutoff syncer did not start"
+        time.sleep(1.0)  # training
+        bench.send_signal(signal.SIGTERM)
+        _, errors = bench.communicate(timeout=30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_runs(pid, out) for pid in syncers):
+            time.sleep(0.1)
+        outlived = [pid for pid in syncers if _runs(pid, out)]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        for pid in syncers:  # never leave one behind, even when the test fails
+            with contextlib.suppress(ProcessLookupError):
+                if _runs(pid, out):
+                    os.kill(pid, signal.SIGKILL)
+    assert not outlived, "a syncer outlived the bench"
+    assert bench.returncode == 128 + signal.SIGTERM, errors
+    assert (
+        errors.strip()
+        .splitlines()[-1]
+        .endswith("stopped by SIGTERM; every syncer stopped, nothing exported")
+    ), errors
+    assert "Traceback" not in errors
+    assert not (out / EXPORT_FILE).exists()
+
+
+def _runs(pid: int, out: Path) -> bool:
+    """Whether ``pid`` is still a live syncer of this run (not a reused pid, not a zombie)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z" and str(out) in _cmdline(pid)
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _pids_of(module: str) -> list[int]:
+    return [
+        int(entry.name)
+        for entry in Path("/proc").iterdir()
+        if entry.name.isdigit() and f"-m {module} " in _cmdline(int(entry.name))
+    ]
 
 
 def test_learner_budget_must_fit_c_steps() -> None:

@@ -14,7 +14,9 @@ One command runs what spec/closure.md describes:
    the F rounds — and only then exports the marked checkpoint to safetensors.
 
 It prints the budget, C, F, the tape check and the export path. Exit status: 0 when the closure
-completed and was exported, 1 when any step of it failed (nothing is exported), 2 for bad flags.
+completed and was exported, 1 when any step of it failed (nothing is exported), 2 for bad flags
+or an output directory that cannot be made, 128 + n when signal n (SIGINT, SIGTERM, SIGHUP)
+stopped it: its syncers are stopped first, and a syncer outlives no bench (Linux).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from yeto_proto.checkpoint import (
 from yeto_proto.errors import ProtocolError
 
 from .artifact_files import LAYOUT_FILE
+from .process_control import Stopped, parent_death_signal, signals_raise
 
 if TYPE_CHECKING:
     from .cli import Commands
@@ -107,8 +110,12 @@ class BenchConfig:
             raise ValueError(f"--wire-dtype must be f32, bf16 or q4, got {self.wire_dtype!r}")
         if not 1 <= self.quorum <= self.learners:
             raise ValueError(f"--quorum must be in 1..{self.learners}, got {self.quorum}")
-        if min(self.training_timeout, self.consolidation_timeout) <= 0:
-            raise ValueError("timeouts must be positive")
+        for name, seconds in (
+            ("--training-timeout", self.training_timeout),
+            ("--consolidation-timeout", self.consolidation_timeout),
+        ):
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {seconds}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,20 +233,25 @@ def start_syncer(name: str, flags: Sequence[str], log_path: Path) -> SyncerProce
             stderr=log,
             text=True,
             env=_child_env(),
+            start_new_session=True,  # the bench alone gets the terminal's Ctrl+C
+            preexec_fn=parent_death_signal(),
         )
     syncer = SyncerProcess(name, process, log_path)
-    assert process.stdout is not None
-    first: queue.SimpleQueue[str] = queue.SimpleQueue()
-    stdout: IO[str] = process.stdout
-    threading.Thread(target=lambda: first.put(stdout.readline()), daemon=True).start()
     try:
-        line = first.get(timeout=SYNCER_START_TIMEOUT_S)
-    except queue.Empty:
-        line = ""
-    if not line.startswith(LISTENING):
-        syncer.stop()
-        raise ClosureFailed(f"the {name} syncer did not start: {syncer.last_line() or line!r}")
-    syncer.port = int(line.strip().rsplit(":", 1)[1])
+        assert process.stdout is not None
+        first: queue.SimpleQueue[str] = queue.SimpleQueue()
+        stdout: IO[str] = process.stdout
+        threading.Thread(target=lambda: first.put(stdout.readline()), daemon=True).start()
+        try:
+            line = first.get(timeout=SYNCER_START_TIMEOUT_S)
+        except queue.Empty:
+            line = ""
+        if not line.startswith(LISTENING):
+            raise ClosureFailed(f"the {name} syncer did not start: {syncer.last_line() or line!r}")
+        syncer.port = int(line.strip().rsplit(":", 1)[1])
+    except BaseException:
+        syncer.stop()  # a stop while it starts must not leave it behind either
+        raise
     return syncer
 
 
@@ -521,12 +533,15 @@ def _export(
         exported = export_tensors(checkpoint, layout)
     except ProtocolError as exc:
         raise ClosureFailed(f"export refused: {exc}") from None
-    with atomic_replace(target) as staging:
-        save_file(
-            {name: np.ascontiguousarray(values) for name, values in exported.tensors.items()},
-            os.fspath(staging),
-            metadata=exported.metadata,
-        )
+    try:
+        with atomic_replace(target) as staging:
+            save_file(
+                {name: np.ascontiguousarray(values) for name, values in exported.tensors.items()},
+                os.fspath(staging),
+                metadata=exported.metadata,
+            )
+    except ProtocolError as exc:  # CKPT_IO: the target is a directory, the disk is full, ...
+        raise ClosureFailed(f"export failed: {exc}") from None
     corpus = Corpus.load()
     torch.manual_seed(MODEL_SEED)
     model = ByteModel(*TINY_MODEL)
@@ -594,13 +609,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.command_prog}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        result = run_closure(config)
+        config.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"{args.command_prog}: error: --out {out}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        with signals_raise(args.command_prog):
+            result = run_closure(config)
     except ClosureFailed as exc:
         print(f"{args.command_prog}: closure failed, nothing exported: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:
-        print(f"{args.command_prog}: interrupted, nothing exported", file=sys.stderr)
-        return 130
+    except OSError as exc:  # the output directory failed under us (a log, a layout file)
+        reason = f"{exc.strerror or exc} ({exc.filename})" if exc.filename else str(exc)
+        print(f"{args.command_prog}: closure failed, nothing exported: {reason}", file=sys.stderr)
+        return EXIT_FAILED
+    except Stopped as stop:
+        print(
+            f"{args.command_prog}: stopped by {stop}; every syncer stopped, nothing exported",
+            file=sys.stderr,
+        )
+        return 128 + stop.signum
     print(
         f"budget B={result.budget}  C={result.cutoff_step}  F={result.fragments}  "
         f"final step {result.final_step}  tape check ok  export {result.export_path}  "

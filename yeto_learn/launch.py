@@ -14,25 +14,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
 from yeto_proto.checkpoint import write_bytes_atomically
 
 from .artifact_files import LAYOUT_FILE, STATE_FILE
+from .process_control import Stopped, parent_death_signal, signals_raise
 
 if TYPE_CHECKING:
     from .cli import Commands
@@ -80,29 +78,6 @@ def register(commands: Commands) -> None:
 
 
 # -- processes -----------------------------------------------------------------------------------
-@functools.cache
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A pre-exec hook that makes a child get SIGTERM when the launcher dies (Linux only).
-
-    Everything is looked up here, in the parent: the hook runs between fork and exec, where a
-    multi-threaded parent must not import or allocate.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def hook() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
-
-    return hook
-
-
 @dataclass(eq=False)
 class Child:
     name: str
@@ -127,7 +102,7 @@ def _spawn(name: str, argv: list[str], stderr_path: Path, env: dict[str, str]) -
             text=True,
             env=env,
             start_new_session=True,  # the launcher alone gets the terminal's Ctrl+C
-            preexec_fn=_parent_death_signal(),
+            preexec_fn=parent_death_signal(),
         )
     return Child(name, process, stderr_path)
 
@@ -154,49 +129,6 @@ def stop_children(children: list[Child], grace: float = STOP_GRACE_S) -> None:
             with contextlib.suppress(ProcessLookupError):
                 child.process.kill()
             child.process.wait()
-
-
-class Stopped(Exception):
-    """SIGINT, SIGTERM or SIGHUP reached the launcher."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _optional_signals(*names: str) -> list[signal.Signals]:
-    """The named signals this platform has (Windows has no SIGHUP)."""
-    return [getattr(signal, name) for name in names if hasattr(signal, name)]
-
-
-@contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
-    """The first SIGINT/SIGTERM/SIGHUP raises :class:`Stopped`; later ones only say so on stderr.
-
-    A second Ctrl+C is common while the children stop: it must not cut that short and leave
-    the run without its last line.
-    """
-    stopping = False
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping
-        if stopping:
-            # os.write: a print here could re-enter a print the signal interrupted.
-            name = signal.Signals(signum).name
-            with contextlib.suppress(OSError):
-                os.write(2, f"yeto launch: {name} again; still stopping\n".encode())
-            return
-        stopping = True
-        raise Stopped(signum)
-
-    # SIGHUP too: a closed terminal stops the run the same orderly way.
-    stop_signals = [signal.SIGINT, signal.SIGTERM, *_optional_signals("SIGHUP")]
-    previous = {s: signal.signal(s, handler) for s in stop_signals}
-    try:
-        yield
-    finally:
-        for s, old in previous.items():
-            signal.signal(s, old)
 
 
 # -- progress ------------------------------------------------------------------------------------
@@ -397,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
     paths.syncer_dir.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
     started = time.monotonic()
-    with _signals_raise():
+    with signals_raise("yeto launch"):
         try:
             return _launch(args, paths, children, started)
         except Stopped as stop:

@@ -1,0 +1,83 @@
+"""How a ``yeto`` command that runs child processes stops: signals, and children that follow.
+
+``yeto launch`` and ``yeto bench`` share it: the first SIGINT, SIGTERM or SIGHUP becomes a
+:class:`Stopped` exception in the main thread, so the command stops its children and prints its
+last line, and a child started with :func:`parent_death_signal` is sent SIGTERM if the command
+dies without that chance (Linux).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from types import FrameType
+
+
+@functools.cache
+def parent_death_signal() -> Callable[[], None] | None:
+    """A pre-exec hook that makes a child get SIGTERM when its parent dies (Linux only).
+
+    Everything is looked up here, in the parent: the hook runs between fork and exec, where a
+    multi-threaded parent must not import or allocate.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def hook() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+
+    return hook
+
+
+class Stopped(Exception):
+    """SIGINT, SIGTERM or SIGHUP reached the command."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def optional_signals(*names: str) -> list[signal.Signals]:
+    """The named signals this platform has (Windows has no SIGHUP)."""
+    return [getattr(signal, name) for name in names if hasattr(signal, name)]
+
+
+@contextlib.contextmanager
+def signals_raise(command: str) -> Iterator[None]:
+    """The first SIGINT/SIGTERM/SIGHUP raises :class:`Stopped`; later ones only say so on stderr.
+
+    A second Ctrl+C is common while the children stop: it must not cut that short and leave
+    the run without its last line. ``command`` names the command in that note.
+    """
+    stopping = False
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        if stopping:
+            # os.write: a print here could re-enter a print the signal interrupted.
+            name = signal.Signals(signum).name
+            with contextlib.suppress(OSError):
+                os.write(2, f"{command}: {name} again; still stopping\n".encode())
+            return
+        stopping = True
+        raise Stopped(signum)
+
+    # SIGHUP too: a closed terminal stops the run the same orderly way.
+    stop_signals = [signal.SIGINT, signal.SIGTERM, *optional_signals("SIGHUP")]
+    previous = {s: signal.signal(s, handler) for s in stop_signals}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
