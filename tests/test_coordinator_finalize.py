@@ -249,51 +249,46 @@ def test_a_superseded_generation_that_never_acks_does_not_hold_up_the_exit() -> 
     assert sim.exit == Exit(0, "finalized at global step 4") and old not in sim.closed
 
 
-def test_reconnected_generation_that_drops_before_its_ack_no_longer_holds_up_the_exit() -> None:
-    sim = session()
+def acked_then_reconnected() -> tuple[Sim, GroupKey, GroupKey]:
+    """Learner 0 ACKs, drops and redials (its new generation gets the cut again); 1 ACKs."""
+    sim = session(final_ack_timeout_s=30)
     a, b = sim.learners[0], sim.learners[1]
     ack(sim, a.key)
     a.disconnect()
     fresh = a.connect()
     ack(sim, b.key)
     assert sim.exit is None
+    return sim, b.key, fresh
+
+
+def test_reconnected_generation_that_drops_before_its_ack_no_longer_holds_up_the_exit() -> None:
+    sim, b_key, fresh = acked_then_reconnected()
 
     actions = sim.close(fresh)
 
-    assert shutdowns_in(actions) == [b.key]
+    assert shutdowns_in(actions) == [b_key]
     assert sim.exit == Exit(0, "finalized at global step 4")
 
 
 def test_a_reconnected_generation_closed_on_a_protocol_error_no_longer_holds_up_the_exit() -> None:
     """The syncer closes it itself: its later GroupClosed finds nothing, so the close re-checks."""
-    sim = session(final_ack_timeout_s=30)
-    a, b = sim.learners[0], sim.learners[1]
-    ack(sim, a.key)
-    a.disconnect()
-    fresh = a.connect()
-    ack(sim, b.key)
-    assert sim.exit is None
+    sim, b_key, fresh = acked_then_reconnected()
 
     sim.message(fresh, Heartbeat(1, 0))  # names another learner: fatal for that generation
 
     assert fresh in sim.closed
     assert sim.exit == Exit(0, "finalized at global step 4")
-    assert shutdowns_in(sim.actions) == [b.key]
+    assert shutdowns_in(sim.actions) == [b_key]
 
 
 def test_missing_re_ack_at_the_deadline_still_exits_zero() -> None:
     """Every learner's ACK stands; only a reconnected generation's repeat is missing."""
-    sim = session(final_ack_timeout_s=30)
-    a, b = sim.learners[0], sim.learners[1]
-    ack(sim, a.key)
-    a.disconnect()
-    fresh = a.connect()
-    ack(sim, b.key)
+    sim, b_key, fresh = acked_then_reconnected()
 
     sim.advance(30)
 
     assert sim.exit == Exit(0, "finalized at global step 4")
-    assert shutdowns_in(sim.actions) == [b.key]
+    assert shutdowns_in(sim.actions) == [b_key]
     (warning,) = sim.logs("re-ACK missing from a reconnected generation; the earlier ACK stands")
     assert warning.fields["members"] == [{"learner_id": 0, "generation": fresh.generation}]
 
