@@ -66,6 +66,8 @@ ERROR_LIMIT = 65536
 MAX_PARTIALS = 64
 Q4_BLOCK_VALUES, Q4_BLOCK_BYTES = 256, 132
 U16_MAX, U32_MAX, U64_MAX = (1 << 16) - 1, (1 << 32) - 1, (1 << 64) - 1
+#: The largest numel sum a HELLO fragment may declare: 4·sum plus the largest header still fits.
+LARGEST_NUMEL_SUM = (U64_MAX - 77) // 4
 LAYOUT_DOMAIN = b"yeto-layout-v1\0"
 PROFILE_DOMAIN = b"yeto-syncer-semantic-profile-v1\0"
 HELLO_MAC_DOMAIN = b"yeto-hello-mac-v1\0"
@@ -788,6 +790,13 @@ def hello_file() -> Json:
             "Boundary",
         ),
         valid(
+            "numel sum exactly floor((2^64-1-77)/4): every frame size derived from it fits a u64",
+            replace(
+                h, fragments=(WireFragment(AVG, (1 << 61, LARGEST_NUMEL_SUM - (1 << 61))),)
+            ).built(),
+            "Boundary",
+        ),
+        valid(
             "one fragment with many tensors",
             replace(h, fragments=(WireFragment(RDA, tuple(range(1, 18))),)).built(),
             "Normal",
@@ -870,6 +879,25 @@ def hello_file() -> Json:
             frame(HELLO, replace(h, fragments=(WireFragment(AVG, (1 << 63, 1 << 63)),)).payload()),
             "SIZE_OVERFLOW",
             "IntegerOverflow",
+        ),
+        invalid(
+            "numel sum one above floor((2^64-1-77)/4), though its own sum fits a u64",
+            frame(
+                HELLO,
+                replace(
+                    h, fragments=(WireFragment(AVG, (1 << 61, LARGEST_NUMEL_SUM + 1 - (1 << 61))),)
+                ).payload(),
+            ),
+            "SIZE_OVERFLOW",
+            "Boundary",
+        ),
+        invalid(
+            "numels 2^63, 2^63, 0: every numel is checked for 0 before the sum",
+            frame(
+                HELLO, replace(h, fragments=(WireFragment(AVG, (1 << 63, 1 << 63, 0)),)).payload()
+            ),
+            "ZERO_NUMEL",
+            "CheckOrder",
         ),
         invalid(
             "numel 2^64-1: its f32 byte size overflows a u64",
