@@ -3319,6 +3319,20 @@ def codecs_file() -> Json:
         q4_decode_test("257 values over two blocks", two_blocks, 257, "Normal", "Padding"),
         q4_decode_test("an all-zero block", bytes(Q4_BLOCK_BYTES), 5, "Boundary", "Padding"),
         q4_decode_test(
+            "nibble 8 (the sign with level 0) decodes as +0.0, like nibble 0",
+            q4_block(f32_bytes([2.0]), [8, 0]),
+            2,
+            "Boundary",
+            "Padding",
+        ),
+        q4_decode_test(
+            "scale -0.0 is accepted; each value is the f32 product m * scale: signed zeros",
+            q4_block(f32_bytes([-0.0]), [0, 1, 8, 9]),
+            4,
+            "Boundary",
+            "Padding",
+        ),
+        q4_decode_test(
             "300 encoded values decode", q4_encode(q4_values_300), 300, "Normal", "Padding"
         ),
         q4_decode_test(
