@@ -255,7 +255,7 @@ def test_quorum_deadline_discards_partials_and_retries_with_current_members() ->
     assert [r["c_steps"] for r in merge["responders"]] == [3, 5]
 
 
-def test_retry_waits_in_one_second_steps_for_k_learners() -> None:
+def test_retry_gives_missing_learners_a_second_to_come_back() -> None:
     config = SyncerConfig(learners=2, total_steps=3, quorum=2, pipeline=1, quorum_timeout_s=5)
     sim = Sim(config, LAYOUT3)
     a, b = sim.start(auto=False)
@@ -265,8 +265,6 @@ def test_retry_waits_in_one_second_steps_for_k_learners() -> None:
     assert sim.timers["retry:1"] == pytest.approx(6.0)
     round_one = sim.coordinator.rounds_in_flight[0]
     assert round_one.phase is Phase.WAITING
-    sim.advance(1.0)
-    assert sim.timers["retry:1"] == pytest.approx(7.0)
     # A PUSH while no attempt runs is a wrong attempt.
     sim.message(a.key, a.push_for(sim.sends_to(a.key, PullReq)[0]))
     assert sim.tape[-1]["code"] == ErrorCode.PUSH_WRONG_ATTEMPT.value
@@ -278,6 +276,39 @@ def test_retry_waits_in_one_second_steps_for_k_learners() -> None:
     assert pulls(sim, fresh) == [(1, 0, 2)]
     assert pulls(sim, a.key) == [(1, 0, 1), (1, 0, 2)]
     assert round_one.members == (a.key, fresh) and round_one.quorum == 2
+
+
+def test_a_learner_lost_for_good_does_not_stall_the_retry() -> None:
+    """After the second, the retry runs with those connected; K shrinks as at a launch."""
+    config = SyncerConfig(learners=2, total_steps=3, quorum=2, pipeline=1, quorum_timeout_s=5)
+    sim = Sim(config, LAYOUT3)
+    a, b = sim.start(auto=False)
+    b.disconnect()
+
+    sim.advance(6.0)
+
+    round_one = sim.coordinator.rounds_in_flight[0]
+    assert pulls(sim, a.key) == [(1, 0, 1), (1, 0, 2)]
+    assert round_one.members == (a.key,) and round_one.quorum == 1
+    sim.message(a.key, a.push_for(sim.sends_to(a.key, PullReq)[-1]))
+    assert [r["step"] for r in sim.merges] == [1]
+
+
+def test_a_retry_with_nobody_connected_waits_in_one_second_steps() -> None:
+    config = SyncerConfig(learners=2, total_steps=3, quorum=2, pipeline=1, quorum_timeout_s=5)
+    sim = Sim(config, LAYOUT3)
+    a, b = sim.start(auto=False)
+    a.disconnect()
+    b.disconnect()
+
+    sim.advance(5.0)
+    sim.advance(1.0)
+    assert sim.timers["retry:1"] == pytest.approx(7.0)
+    assert sim.coordinator.rounds_in_flight[0].phase is Phase.WAITING
+
+    fresh = a.connect()
+    sim.advance(1.0)
+    assert pulls(sim, fresh) == [(1, 0, 2)]
 
 
 def test_a_launch_waits_for_a_connected_member() -> None:

@@ -669,7 +669,7 @@ class Coordinator:
         if target is None:
             return
         if kind == "retry" and len(numbers) == 1 and target.phase is Phase.WAITING:
-            self._retry(target, now, out)
+            self._retry(target, now, out, waited=True)
         elif len(numbers) == 2 and target.attempt == numbers[1]:
             if target.phase is not Phase.GATHERING:
                 return
@@ -822,11 +822,16 @@ class Coordinator:
             )
         )
         target.discard()
-        self._retry(target, now, out)
+        self._retry(target, now, out, waited=False)
 
-    def _retry(self, target: Round, now: float, out: list[Action]) -> None:
+    def _retry(self, target: Round, now: float, out: list[Action], *, waited: bool) -> None:
+        """Attempt + 1 with the learners connected now (PINNED: "retry after 1 s if fewer than
+        K are connected"): with fewer than the discarded attempt's K it first gives them one
+        second to come back, then runs with those there, K shrinking as at a launch. A
+        learner lost for good therefore never stalls the run; with nobody connected it waits.
+        """
         members = self._registry.current_members()
-        if len(members) < target.quorum:
+        if not members or (len(members) < target.quorum and not waited):
             out.append(SetTimer(_round_timer("retry", target.step), now + RETRY_DELAY_S))
             return
         version = self._require_model().fragments[target.fragment].version
