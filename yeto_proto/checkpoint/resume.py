@@ -5,12 +5,12 @@ Checks, in order (the first failure is the reason):
 1. format: V1 never resumes (its iso backend is unknown);
 2. iso backend equals the running syncer's;
 3. every params and momentum value is finite;
-4. identity: V3's fingerprint equals the accepted HELLO fingerprint, even when fragment
+4. each fragment's version is the one the schedule gives for the checkpoint's global step;
+5. identity: V3's fingerprint equals the accepted HELLO fingerprint, even when fragment
    counts and every flat size match; V2 records none, so it resumes only when every fragment
    of the wire layout has exactly one tensor (grouped V2 fails closed), and a fingerprint
    trailer it does carry must equal the HELLO fingerprint;
-5. fragment count and each fragment's numel equal the wire layout's;
-6. each fragment's version is the one the schedule gives for the checkpoint's global step;
+6. fragment count and each fragment's numel equal the wire layout's;
 7. a contract the checkpoint carries equals the session's; V3 must carry one (current writers
    always do), while V2 may lack it, since the source lets legacy V2 resume on the rules above.
 """
@@ -44,7 +44,7 @@ def _refuse(reason: str) -> ResumeDecision:
 
 
 def refusal_before_hello(checkpoint: Checkpoint, iso_backend: IsoBackend) -> str | None:
-    """Checks 1 to 3, which need no HELLO: the reason this syncer can never resume it, or None.
+    """Checks 1 to 4, which need no HELLO: the reason this syncer can never resume it, or None.
 
     A daemon can run them at start; :func:`resume_decision` runs them first.
     """
@@ -62,6 +62,14 @@ def refusal_before_hello(checkpoint: Checkpoint, iso_backend: IsoBackend) -> str
         for name, values in (("params", fragment.params), ("momentum", fragment.momentum)):
             if not all_finite(values):
                 return f"fragment {index} holds non-finite {name}"
+    step, count = checkpoint.global_step, checkpoint.num_fragments
+    for index, version in enumerate(checkpoint.versions):
+        expected = scheduled_version(index, step, count)
+        if version != expected:
+            return (
+                f"fragment {index} is at version {version}; global_step {step} "
+                f"over {count} fragments gives {expected}"
+            )
     return None
 
 
@@ -99,15 +107,6 @@ def resume_decision(
         if have != want:
             return _refuse(f"fragment {index} has numel {have} in the checkpoint, {want} in HELLO")
 
-    step, count = checkpoint.global_step, checkpoint.num_fragments
-    for index, version in enumerate(checkpoint.versions):
-        expected = scheduled_version(index, step, count)
-        if version != expected:
-            return _refuse(
-                f"fragment {index} is at version {version}; global_step {step} "
-                f"over {count} fragments gives {expected}"
-            )
-
     if checkpoint.contract is None:
         if fmt is CheckpointFormat.V3:
             return _refuse(
@@ -117,6 +116,6 @@ def resume_decision(
         return _refuse("session contract differs from the checkpoint's")
     return ResumeDecision(
         eligible=True,
-        reason=f"{fmt.name} checkpoint at global_step {step} matches backend, identity, "
-        f"layout, schedule and contract",
+        reason=f"{fmt.name} checkpoint at global_step {checkpoint.global_step} matches "
+        "backend, schedule, identity, layout and contract",
     )

@@ -291,12 +291,24 @@ class Coordinator:
                 session_contract=bytes(hello.session_contract),
             )
             if not decision.eligible:
+                # This peer's session is not the checkpoint's: refuse it and keep waiting for
+                # one that is. A stray learner of another run must not end a resumed run.
                 refusal = Refusal(
                     ErrorCode.CKPT_RESUME_INELIGIBLE,
                     f"the syncer's checkpoint cannot resume this session: {decision.reason}",
                 )
                 out.append(RefuseConnection(conn, refusal.error()))
-                self._fail(f"resume refused: {decision.reason}", out)
+                out.append(
+                    Log(
+                        "warning",
+                        "HELLO refused: the checkpoint cannot resume its session",
+                        {
+                            "conn": conn,
+                            **_member_fields(GroupKey(hello.learner_id, hello.generation)),
+                            **_why(refusal),
+                        },
+                    )
+                )
                 return False
         session = self._admission.fix(hello)
         self._limits = Limits.of(session.dtype, session.layout)
