@@ -2340,7 +2340,10 @@ def budget_done_file() -> Json:
         valid("1 local step", budget_done(1), "Boundary"),
         valid("2^64-1 local steps", budget_done(U64_MAX), "Boundary"),
         acceptable(
-            "0 steps: a budget is a positive target", budget_done(0), "BUDGET_MISMATCH", "Boundary"
+            "0 steps: the budget is 100 (a budget is positive, so 0 never matches one)",
+            budget_done(0),
+            "BUDGET_MISMATCH",
+            "Boundary",
         ),
         header_error("len 7", BUDGET_DONE, 7, "BAD_FRAME_LENGTH", "ExactSize", body=body[:7]),
         header_error(
@@ -2366,11 +2369,18 @@ def budget_done_file() -> Json:
             body=body,
         ),
     ]
+    # The coordinator's verdict on a report depends on the syncer's budget: without one every
+    # BUDGET_DONE is BUDGET_NOT_CONFIGURED, with one any other step count is BUDGET_MISMATCH.
+    budgeted = S_F32.context("syncer", num_learners=4)
+    budgeted["learner_budget_steps"] = 100
     return vector_file(
         "BUDGET_DONE",
-        ["BUDGET_DONE (type 14, learner -> syncer): exact_local_steps:u64; exactly 8 bytes."],
         [
-            frame_group(S_F32.context("syncer", num_learners=4), tests),
+            "BUDGET_DONE (type 14, learner -> syncer): exact_local_steps:u64; exactly 8 bytes.",
+            "The syncer runs with --learner-budget-steps 100 (context learner_budget_steps).",
+        ],
+        [
+            frame_group(budgeted, tests),
             frame_group(S_F32.context("learner"), to_learner),
         ],
     )

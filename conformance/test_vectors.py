@@ -70,6 +70,16 @@ from yeto_proto import (
 )
 from yeto_proto.constants import FINALIZATION_REVISION
 from yeto_proto.dtypes import bf16_to_f32, f32_to_bf16, q4_decode, q4_encode
+from yeto_sync.config import SyncerConfig
+from yeto_sync.coordinator import Coordinator
+from yeto_sync.events import (
+    AdmitGroup,
+    CloseGroup,
+    GroupKey,
+    GroupReady,
+    HelloReceived,
+    MessageReceived,
+)
 
 Json = dict[str, Any]
 
@@ -135,6 +145,8 @@ class Context:
     session_hello: bytes | None
     num_learners: int | None
     hello_key: bytes | None
+    #: The syncer's ``--learner-budget-steps`` (``None``: no budget), for BUDGET_DONE.
+    learner_budget_steps: int | None = None
 
     @classmethod
     def from_json(cls, ctx: Json) -> Context:
@@ -151,6 +163,7 @@ class Context:
             session_hello=bytes.fromhex(session["hello"]) if session else None,
             num_learners=ctx.get("num_learners"),
             hello_key=bytes.fromhex(key) if key is not None else None,
+            learner_budget_steps=ctx.get("learner_budget_steps"),
         )
 
     def decoder(self) -> FrameDecoder:
@@ -725,3 +738,54 @@ def test_hello_mac(case: Case) -> None:
     with pytest.raises(RemoteProtocolError) as caught:
         verify_hello(key, memoryview(body + mac))
     assert caught.value.code.value == case.code
+
+
+# -- the coordinator's verdict on acceptable BUDGET_DONE reports ---------------------------------
+
+
+def coordinator_with_session(context: Context) -> tuple[Coordinator, GroupKey]:
+    """A syncer with the context's M and budget whose session the context's HELLO opened."""
+    assert context.session_hello is not None and context.num_learners is not None
+    config = SyncerConfig(
+        learners=context.num_learners,
+        total_steps=1000,
+        learner_budget_steps=context.learner_budget_steps,
+    )
+    coordinator = Coordinator(config)
+    hello = decode_first_hello(context.session_hello, context.num_learners)
+    key = GroupKey(hello.learner_id, hello.generation)
+    actions = coordinator.handle(HelloReceived(1, hello), 0.0)
+    assert any(isinstance(a, AdmitGroup) for a in actions), actions
+    coordinator.handle(GroupReady(key), 0.0)
+    return coordinator, key
+
+
+@params(
+    [
+        c
+        for c in FRAME_CASES
+        if c.result == "acceptable" and c.test["decoded"]["type"] == "BUDGET_DONE"
+    ]
+)
+def test_budget_done_refused_by_the_coordinator(case: Case) -> None:
+    """An acceptable BUDGET_DONE decodes; the coordinator, with the context's budget (absent:
+    none), then closes the sender's group with ERROR ``code`` (spec/closure.md § 2)."""
+    assert case.context is not None and case.context.receiver is Role.SYNCER
+    coordinator, key = coordinator_with_session(case.context)
+    message = message_from_json(case.test["decoded"])
+    actions = coordinator.handle(MessageReceived(key, message), 1.0)
+    closes = [a for a in actions if isinstance(a, CloseGroup)]
+    assert len(closes) == 1 and closes[0].group == key, actions
+    assert closes[0].error is not None
+    assert closes[0].error.text.split(":", 1)[0] == case.code
+
+
+def decode_first_hello(frame: bytes, num_learners: int | None) -> Hello:
+    """``frame`` as the first frame of a new syncer socket: exactly one HELLO."""
+    decoder = FrameDecoder(Role.SYNCER, num_learners=num_learners)
+    decoder.feed(frame)
+    hello = decoder.next_frame()
+    assert isinstance(hello, Hello), f"expected a HELLO, got {hello!r}"
+    decoder.set_limits(Limits.of(hello.dtype, hello.layout))
+    assert decoder.next_frame() is NEED_DATA
+    return hello
