@@ -76,6 +76,8 @@ TESTS_PER_GROUP = 100  # group g numbers its tests from 100·g + 1, so appending
 FLAG_NOTES = {
     "Boundary": "A field at the edge of its range (0, the maximum, or a limit exactly).",
     "CheckOrder": "Several faults at once: the pinned order of checks decides the code.",
+    "ClosedGroups": "Groups of earlier accepted HELLOs closed before this HELLO arrived; the "
+    "session and the generations admitted outlive them.",
     "CountBeyondPayload": "A count promises more bytes than the payload holds; it must be "
     "rejected before anything is allocated for it.",
     "DecoderMayDefer": "The frame is well formed; the named code is raised by the session, the "
@@ -92,11 +94,14 @@ FLAG_NOTES = {
     "Iso": "An iso fragment: (rows, cols) per tensor follow its numels.",
     "Limit": "A size limit derived from the session (dtype and fragment numels).",
     "NaN": "A NaN value or NaN-carrying bit pattern.",
+    "NewGeneration": "Another connection_generation of a learner id that was admitted before.",
     "Normal": "An ordinary, typical case.",
     "OutOfOrder": "CHUNKs arrive in another order than they were sent.",
     "Padding": "The last q4 block is zero-padded to 256 values.",
     "ProfileHash": "HELLO carries the optional 32-byte syncer profile hash.",
     "Rounding": "A value that is not exactly representable; pins the rounding rule.",
+    "SameLimits": "The numeric layout differs from the session's, yet every frame limit derived "
+    "from it (dtype and fragment numel sums) is the same: comparing limits is not enough.",
     "SessionSize": "A tensor byte count fixed by the fragment's numel and the dtype.",
     "Tie": "A value exactly halfway between two representable values (round half to even).",
     "Truncated": "The payload ends inside a field.",
@@ -3401,6 +3406,457 @@ def codecs_file() -> Json:
     )
 
 
+# -- session admission ---------------------------------------------------------------------------
+
+#: The syncers admission.json runs against: spec/identity.md § 3's worked example (``--learners 4
+#: --total-steps 1000``), the same with ``--require-profile-binding``, and a one-learner syncer.
+OPEN_SYNCER = Profile(learners=4, total_steps=1000)
+BOUND_SYNCER = replace(OPEN_SYNCER, require_profile_binding=True)
+SOLO_SYNCER = Profile(learners=1, total_steps=1000)
+#: A profile hash no syncer of the file has: --total-steps 999.
+FOREIGN_PROFILE = replace(OPEN_SYNCER, total_steps=999).digest()
+
+
+def admission_group(syncer: Profile, tests: list[Json]) -> Json:
+    return {
+        "type": "HelloAdmissionTest",
+        "context": {
+            "num_learners": syncer.learners,
+            "require_profile_binding": syncer.require_profile_binding,
+            "syncer_profile": syncer.as_json(),
+            "syncer_profile_hash": syncer.digest().hex(),
+        },
+        "tests": tests,
+    }
+
+
+def admission(
+    comment: str,
+    accepted: Sequence[HelloFields],
+    hello: HelloFields,
+    code: str | None,
+    *flags: str,
+    closed: Sequence[int] = (),
+) -> Json:
+    """``accepted`` HELLOs are admitted in order (groups ``closed`` close after them), then
+    ``hello`` is admitted (``code`` None) or refused with ``code``."""
+    test: Json = {
+        "comment": comment,
+        "flags": list(flags),
+        "accepted": [frame(HELLO, h.payload()).hex() for h in accepted],
+        "hello": frame(HELLO, hello.payload()).hex(),
+        "result": "admitted" if code is None else "refused",
+    }
+    if code is not None:
+        test["code"] = code
+    if closed:
+        test["closed"] = list(closed)
+    return test
+
+
+def admission_file() -> Json:
+    def f32(learner_id: int, generation: int, **changes: Any) -> HelloFields:
+        """The f32 session's HELLO from another learner or generation, with ``changes``."""
+        return replace(S_F32.hello, learner_id=learner_id, generation=generation, **changes)
+
+    first = f32(0, 1)
+    own = OPEN_SYNCER.digest()
+    bound = BOUND_SYNCER.digest()
+    fragments = S_F32.hello.fragments  # avg [4, 1], rda [3]
+    avg, rda = fragments
+    # Same numbers, other names or shapes: fc.weight (2, 2) stored flat as (4,), and a renaming.
+    reshaped = layout(
+        (AVG, [("fc.weight", (4,)), ("fc.bias", (1,))]), (RDA, [("head.weight", (3,))])
+    ).fingerprint()
+    renamed = layout(
+        (AVG, [("encoder.weight", (2, 2)), ("encoder.bias", (1,))]),
+        (RDA, [("decoder.weight", (3,))]),
+    ).fingerprint()
+    wider = layout(
+        (AVG, [("fc.weight", (2, 4)), ("fc.bias", (2,))]), (RDA, [("head.weight", (3,))])
+    )
+    other_contract = digest_of("conformance contract: another run")
+    three = S_THREE.hello  # bf16: avg [8], rda [2, 2], iso [6, 6] as 3x2 and 2x3
+    iso = three.fragments[2]
+
+    open_tests = [
+        admission("the first HELLO fixes the session", [], first, None, "Normal"),
+        admission(
+            "a second learner of the same session (generation numbers are per learner)",
+            [first],
+            f32(1, 1),
+            None,
+            "Normal",
+        ),
+        admission(
+            "a new generation of an admitted learner (a redial)",
+            [first],
+            f32(0, 2),
+            None,
+            "NewGeneration",
+        ),
+        admission("learner M-1 = 3, generation 2^64-1", [first], f32(3, U64_MAX), None, "Boundary"),
+        admission(
+            "num_streams is not part of the session: 0 data streams where the first had 2",
+            [first],
+            f32(1, 1, num_streams=0),
+            None,
+            "Normal",
+        ),
+        admission(
+            "a generation need not be larger than the last: 3 after 5 was never admitted",
+            [f32(0, 5)],
+            f32(0, 3),
+            None,
+            "NewGeneration",
+        ),
+        admission(
+            "a first HELLO carrying this syncer's own profile hash binds the session",
+            [],
+            f32(0, 1, profile=own),
+            None,
+            "ProfileHash",
+        ),
+        admission(
+            "a second learner of a profile-bound session, with the same hash",
+            [f32(0, 1, profile=own)],
+            f32(1, 1, profile=own),
+            None,
+            "ProfileHash",
+        ),
+        admission(
+            "the iso session: a second learner with the same iso shapes",
+            [three],
+            replace(three, learner_id=2),
+            None,
+            "Iso",
+        ),
+        admission(
+            "learner_id 4 = M on the first HELLO",
+            [],
+            f32(4, 1),
+            "LEARNER_ID_OUT_OF_RANGE",
+            "Boundary",
+        ),
+        admission(
+            "learner_id 4 = M and the wrong dtype: the learner id is checked first (row 1)",
+            [first],
+            f32(4, 1, dtype=BF16),
+            "LEARNER_ID_OUT_OF_RANGE",
+            "CheckOrder",
+        ),
+        admission(
+            "a first HELLO whose profile hash is not this syncer's (--total-steps 999)",
+            [],
+            f32(0, 1, profile=FOREIGN_PROFILE),
+            "SESSION_PROFILE_MISMATCH",
+            "ProfileHash",
+        ),
+        admission(
+            "a foreign profile hash and the wrong dtype: the syncer's own hash (row 3) comes "
+            "before the session (row 4)",
+            [first],
+            f32(1, 1, dtype=BF16, profile=FOREIGN_PROFILE),
+            "SESSION_PROFILE_MISMATCH",
+            "CheckOrder",
+            "ProfileHash",
+        ),
+        admission(
+            "bf16 in an f32 session, the layout unchanged",
+            [first],
+            f32(1, 1, dtype=BF16),
+            "SESSION_DTYPE_MISMATCH",
+            "Normal",
+        ),
+        admission(
+            "bf16 in a q4 session: INIT and BCAST are bf16 in both, still another session",
+            [S_Q4.hello],
+            replace(S_Q4.hello, learner_id=1, dtype=BF16),
+            "SESSION_DTYPE_MISMATCH",
+            "Normal",
+        ),
+        admission(
+            "the wrong dtype and another layout: dtype (row 4) before layout (row 5)",
+            [first],
+            f32(1, 1, dtype=Q4, fragments=(avg, WireFragment(RDA, (4,)))),
+            "SESSION_DTYPE_MISMATCH",
+            "CheckOrder",
+        ),
+        admission(
+            "fragment 1 has numel 4 instead of 3 (fingerprint and contract as the session's)",
+            [first],
+            f32(1, 1, fragments=(avg, WireFragment(RDA, (4,)))),
+            "SESSION_LAYOUT_MISMATCH",
+            "Normal",
+        ),
+        admission(
+            "fragment 1 is avg instead of rda",
+            [first],
+            f32(1, 1, fragments=(avg, WireFragment(AVG, (3,)))),
+            "SESSION_LAYOUT_MISMATCH",
+            "SameLimits",
+        ),
+        admission(
+            "fragment 0 holds one tensor of 5 instead of tensors of 4 and 1",
+            [first],
+            f32(1, 1, fragments=(WireFragment(AVG, (5,)), rda)),
+            "SESSION_LAYOUT_MISMATCH",
+            "SameLimits",
+        ),
+        admission(
+            "fragment 0's tensors in the other order: numels 1, 4",
+            [first],
+            f32(1, 1, fragments=(WireFragment(AVG, (1, 4)), rda)),
+            "SESSION_LAYOUT_MISMATCH",
+            "SameLimits",
+        ),
+        admission(
+            "the two fragments in the other order",
+            [first],
+            f32(1, 1, fragments=(rda, avg)),
+            "SESSION_LAYOUT_MISMATCH",
+            "Normal",
+        ),
+        admission(
+            "fragment 1 left out",
+            [first],
+            f32(1, 1, fragments=(avg,)),
+            "SESSION_LAYOUT_MISMATCH",
+            "Normal",
+        ),
+        admission(
+            "a third fragment appended",
+            [first],
+            f32(1, 1, fragments=(avg, rda, WireFragment(AVG, (2,)))),
+            "SESSION_LAYOUT_MISMATCH",
+            "Normal",
+        ),
+        admission(
+            "iso shapes transposed: 2x3 and 3x2 where the session has 3x2 and 2x3",
+            [three],
+            replace(
+                three,
+                learner_id=1,
+                fragments=(*three.fragments[:2], WireFragment(ISO, iso.numels, ((2, 3), (3, 2)))),
+            ),
+            "SESSION_LAYOUT_MISMATCH",
+            "Iso",
+            "SameLimits",
+        ),
+        admission(
+            "the iso fragment declared avg with the same numels",
+            [three],
+            replace(
+                three,
+                learner_id=1,
+                fragments=(*three.fragments[:2], WireFragment(AVG, iso.numels)),
+            ),
+            "SESSION_LAYOUT_MISMATCH",
+            "Iso",
+            "SameLimits",
+        ),
+        admission(
+            "another model: its own layout and fingerprint; the layout (row 5) is checked first",
+            [first],
+            f32(1, 1, fragments=wider.wire(), fingerprint=wider.fingerprint()),
+            "SESSION_LAYOUT_MISMATCH",
+            "CheckOrder",
+        ),
+        admission(
+            "the same numbers with fc.weight stored as (4,) instead of (2, 2): another fingerprint",
+            [first],
+            f32(1, 1, fingerprint=reshaped),
+            "SESSION_FINGERPRINT_MISMATCH",
+            "Normal",
+        ),
+        admission(
+            "renamed tensors and another contract: the fingerprint (row 6) comes first",
+            [first],
+            f32(1, 1, fingerprint=renamed, contract=other_contract),
+            "SESSION_FINGERPRINT_MISMATCH",
+            "CheckOrder",
+        ),
+        admission(
+            "another session contract (another run of the same model)",
+            [first],
+            f32(1, 1, contract=other_contract),
+            "SESSION_CONTRACT_MISMATCH",
+            "Normal",
+        ),
+        admission(
+            "another contract and a profile hash the session lacks: contract (row 7) first",
+            [first],
+            f32(1, 1, contract=other_contract, profile=own),
+            "SESSION_CONTRACT_MISMATCH",
+            "CheckOrder",
+            "ProfileHash",
+        ),
+        admission(
+            "the syncer's own profile hash in a session fixed without one (row 8)",
+            [first],
+            f32(1, 1, profile=own),
+            "SESSION_PROFILE_MISMATCH",
+            "ProfileHash",
+        ),
+        admission(
+            "no profile hash in a session fixed with one (binding not required; row 8)",
+            [f32(0, 1, profile=own)],
+            f32(1, 1),
+            "SESSION_PROFILE_MISMATCH",
+            "ProfileHash",
+        ),
+        admission(
+            "the same learner and generation again, byte for byte",
+            [first],
+            first,
+            "DUPLICATE_GENERATION",
+            "Normal",
+        ),
+        admission(
+            "a generation admitted before, now with 0 data streams",
+            [first, f32(1, 1)],
+            f32(1, 1, num_streams=0),
+            "DUPLICATE_GENERATION",
+            "Normal",
+        ),
+        admission(
+            "generation 1 again after generation 2 of the same learner",
+            [first, f32(0, 2)],
+            first,
+            "DUPLICATE_GENERATION",
+            "NewGeneration",
+        ),
+        admission(
+            "a duplicate generation with the wrong dtype: the session (row 4) comes first",
+            [first],
+            f32(0, 1, dtype=BF16),
+            "SESSION_DTYPE_MISMATCH",
+            "CheckOrder",
+        ),
+        admission(
+            "a duplicate generation with a profile hash the session lacks: row 8 before row 9",
+            [first],
+            f32(0, 1, profile=own),
+            "SESSION_PROFILE_MISMATCH",
+            "CheckOrder",
+            "ProfileHash",
+        ),
+        admission(
+            "the group of generation 1 closed: generation 1 was still admitted before",
+            [first],
+            first,
+            "DUPLICATE_GENERATION",
+            "ClosedGroups",
+            closed=[0],
+        ),
+        admission(
+            "the group of generation 1 closed: generation 2 redials",
+            [first],
+            f32(0, 2),
+            None,
+            "ClosedGroups",
+            "NewGeneration",
+            closed=[0],
+        ),
+        admission(
+            "every group closed: the session stays fixed (bf16 is refused)",
+            [first, f32(1, 1)],
+            f32(2, 1, dtype=BF16),
+            "SESSION_DTYPE_MISMATCH",
+            "ClosedGroups",
+            closed=[1, 0],
+        ),
+    ]
+    bound_tests = [
+        admission(
+            "a first HELLO with this syncer's profile hash",
+            [],
+            f32(0, 1, profile=bound),
+            None,
+            "ProfileHash",
+        ),
+        admission(
+            "a second learner with the same hash",
+            [f32(0, 1, profile=bound)],
+            f32(1, 1, profile=bound),
+            None,
+            "ProfileHash",
+        ),
+        admission(
+            "a first HELLO without a profile hash",
+            [],
+            first,
+            "PROFILE_BINDING_REQUIRED",
+            "Normal",
+        ),
+        admission(
+            "no profile hash in a bound session: binding (row 2) before the session (row 8)",
+            [f32(0, 1, profile=bound)],
+            f32(1, 1),
+            "PROFILE_BINDING_REQUIRED",
+            "CheckOrder",
+        ),
+        admission(
+            "no profile hash and the wrong dtype: binding (row 2) before dtype (row 4)",
+            [f32(0, 1, profile=bound)],
+            f32(1, 1, dtype=BF16),
+            "PROFILE_BINDING_REQUIRED",
+            "CheckOrder",
+        ),
+        admission(
+            "learner_id 4 = M without a profile hash: the learner id (row 1) comes first",
+            [],
+            f32(4, 1),
+            "LEARNER_ID_OUT_OF_RANGE",
+            "CheckOrder",
+        ),
+        admission(
+            "the hash of the same flags without --require-profile-binding: the hash covers it",
+            [],
+            f32(0, 1, profile=own),
+            "SESSION_PROFILE_MISMATCH",
+            "ProfileHash",
+        ),
+        admission(
+            "a foreign profile hash and another contract: row 3 before row 7",
+            [f32(0, 1, profile=bound)],
+            f32(1, 1, profile=FOREIGN_PROFILE, contract=other_contract),
+            "SESSION_PROFILE_MISMATCH",
+            "CheckOrder",
+            "ProfileHash",
+        ),
+        admission(
+            "the same learner and generation again, with the hash",
+            [f32(0, 1, profile=bound)],
+            f32(0, 1, profile=bound),
+            "DUPLICATE_GENERATION",
+            "ProfileHash",
+        ),
+    ]
+    solo_tests = [
+        admission("learner 0 of one", [], first, None, "Boundary"),
+        admission("learner 0, generation 2", [first], f32(0, 2), None, "NewGeneration"),
+        admission(
+            "learner_id 1 = M = 1", [first], f32(1, 1), "LEARNER_ID_OUT_OF_RANGE", "Boundary"
+        ),
+    ]
+    return vector_file(
+        "admission",
+        [
+            "Session admission (spec/identity.md § 4): a syncer with the context's settings",
+            "admits the HELLOs of accepted in order (the first fixes the session), closes the",
+            "groups listed in closed, then admits hello or refuses it with code. Every HELLO",
+            "passes the frame checks of spec/wire.md § 5.2 except, where code says so,",
+            "learner_id < M, which the frame decoder may refuse first.",
+        ],
+        [
+            admission_group(OPEN_SYNCER, open_tests),
+            admission_group(BOUND_SYNCER, bound_tests),
+            admission_group(SOLO_SYNCER, solo_tests),
+        ],
+    )
+
+
 # -- identity ------------------------------------------------------------------------------------
 
 NAMED_LAYOUTS: list[tuple[str, NamedLayout, tuple[str, ...]]] = [
@@ -3549,6 +4005,7 @@ def identity_file() -> Json:
 FILES: dict[str, Callable[[], Json]] = {
     "hello.json": hello_file,
     "hello_variants.json": hello_variants_file,
+    "admission.json": admission_file,
     "data_hello.json": data_hello_file,
     "init_params.json": init_params_file,
     "pull_req.json": pull_req_file,

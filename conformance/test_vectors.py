@@ -73,12 +73,16 @@ from yeto_proto.dtypes import bf16_to_f32, f32_to_bf16, q4_decode, q4_encode
 from yeto_sync.config import SyncerConfig
 from yeto_sync.coordinator import Coordinator
 from yeto_sync.events import (
+    Action,
     AdmitGroup,
     CloseGroup,
+    ConnId,
+    GroupClosed,
     GroupKey,
     GroupReady,
     HelloReceived,
     MessageReceived,
+    RefuseConnection,
 )
 
 Json = dict[str, Any]
@@ -190,8 +194,11 @@ class Context:
 @dataclass(frozen=True)
 class Case:
     file: str
+    #: The decoder context (frame and chunk-sequence groups).
     context: Context | None
     test: Json
+    #: The group's ``context`` as written, for the groups that do not name a decoder.
+    settings: Json | None = None
 
     @property
     def id(self) -> str:
@@ -212,14 +219,23 @@ class Case:
         return bytes.fromhex(self.test["hex"])
 
 
+#: Group types whose ``context`` describes a decoder (:class:`Context`).
+DECODER_GROUPS = ("FrameTest", "ChunkSequenceTest")
+
+
 def cases(group_type: str) -> list[Case]:
     out: list[Case] = []
     for name in VECTOR_FILES:
         for group in load(name)["testGroups"]:
             if group["type"] != group_type:
                 continue
-            context = Context.from_json(group["context"]) if "context" in group else None
-            out.extend(Case(name, context, test) for test in group["tests"])
+            settings = group.get("context")
+            context = (
+                Context.from_json(settings)
+                if settings is not None and group_type in DECODER_GROUPS
+                else None
+            )
+            out.extend(Case(name, context, test, settings) for test in group["tests"])
     return out
 
 
@@ -780,6 +796,9 @@ def test_budget_done_refused_by_the_coordinator(case: Case) -> None:
     assert closes[0].error.text.split(":", 1)[0] == case.code
 
 
+# -- session admission ---------------------------------------------------------------------------
+
+
 def decode_first_hello(frame: bytes, num_learners: int | None) -> Hello:
     """``frame`` as the first frame of a new syncer socket: exactly one HELLO."""
     decoder = FrameDecoder(Role.SYNCER, num_learners=num_learners)
@@ -789,3 +808,83 @@ def decode_first_hello(frame: bytes, num_learners: int | None) -> Hello:
     decoder.set_limits(Limits.of(hello.dtype, hello.layout))
     assert decoder.next_frame() is NEED_DATA
     return hello
+
+
+def syncer_config(settings: Json) -> SyncerConfig:
+    """The syncer an admission group describes: its profile's flags, checked against the rest."""
+    fields = dict(settings["syncer_profile"])
+    checkpoint_enabled = fields.pop("checkpoint_enabled")
+    fields["delta_correction"] = DeltaCorrection[fields["delta_correction"].upper()]
+    fields["learner_weight"] = LearnerWeight[fields["learner_weight"].upper().replace("-", "_")]
+    config = SyncerConfig(
+        **fields, checkpoint_path=Path("admission.ckpt") if checkpoint_enabled else None
+    )
+    assert config.learners == settings["num_learners"]
+    assert config.require_profile_binding == settings["require_profile_binding"]
+    assert config.profile().digest().hex() == settings["syncer_profile_hash"]
+    return config
+
+
+def refusal_code(actions: list[Action], conn: ConnId) -> str | None:
+    """The code of the ERROR a RefuseConnection of ``conn`` carries, if any."""
+    refusals = [a for a in actions if isinstance(a, RefuseConnection)]
+    if not refusals:
+        return None
+    assert [a.conn for a in refusals] == [conn], actions
+    code, _, detail = refusals[0].error.text.partition(": ")
+    assert detail, "ERROR text is <CODE>: <detail>"
+    return code
+
+
+@params(cases("HelloAdmissionTest"))
+def test_hello_admission(case: Case) -> None:
+    """Admit ``accepted`` in order, close ``closed``, then ``hello``: admitted or refused."""
+    assert case.settings is not None
+    num_learners = case.settings["num_learners"]
+    coordinator = Coordinator(syncer_config(case.settings))
+    keys: list[GroupKey] = []
+    for conn, frame in enumerate(case.test["accepted"], start=1):
+        hello = decode_first_hello(bytes.fromhex(frame), num_learners)
+        key = GroupKey(hello.learner_id, hello.generation)
+        actions = coordinator.handle(HelloReceived(conn, hello), 0.0)
+        assert refusal_code(actions, conn) is None, f"accepted[{conn - 1}] refused: {actions}"
+        session = coordinator.session
+        assert session is not None
+        limits = Limits.of(session.dtype, session.layout)
+        assert [a for a in actions if isinstance(a, AdmitGroup)] == [
+            AdmitGroup(conn, key, hello.num_streams, limits)
+        ]
+        keys.append(key)
+    for index in case.test.get("closed", []):
+        coordinator.handle(GroupClosed(keys[index], "closed by the vector"), 0.0)
+        assert not coordinator.registry.is_open(keys[index])
+    session_before = coordinator.session
+
+    frame = bytes.fromhex(case.test["hello"])
+    conn = len(keys) + 1
+    # A frame decoder that knows M may refuse learner_id >= M itself (spec/wire.md § 5.2).
+    strict = Run(Context(Role.SYNCER, True, None, None, num_learners, None))
+    strict.feed(frame)
+    if strict.error is not None:
+        assert case.result == "refused" and strict.error.code.value == case.code, strict.error
+    hello = decode_first_hello(frame, None)
+    key = GroupKey(hello.learner_id, hello.generation)
+    actions = coordinator.handle(HelloReceived(conn, hello), 1.0)
+    admits = [a for a in actions if isinstance(a, AdmitGroup)]
+    if case.result == "admitted":
+        assert refusal_code(actions, conn) is None, actions
+        session = coordinator.session
+        assert session is not None
+        assert admits == [
+            AdmitGroup(conn, key, hello.num_streams, Limits.of(session.dtype, session.layout))
+        ]
+        assert coordinator.registry.is_open(key)
+        if session_before is not None:
+            assert session == session_before, "a later HELLO never changes the session"
+        return
+    assert refusal_code(actions, conn) == case.code, actions
+    assert not admits and not any(isinstance(a, CloseGroup) for a in actions), actions
+    assert coordinator.session == session_before, "a refused HELLO fixes and changes nothing"
+    closed = {keys[i] for i in case.test.get("closed", [])}
+    assert all(coordinator.registry.is_open(k) == (k not in closed) for k in keys)
+    assert coordinator.registry.was_admitted(key) == (key in keys), "nothing new was admitted"
