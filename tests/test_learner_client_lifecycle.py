@@ -246,6 +246,30 @@ def test_a_full_inbox_holds_back_reads_only_the_learner_still_writes(
         sender.join(5)
 
 
+def test_a_new_group_reads_although_a_lost_group_filled_the_inbox(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    """The syncer dropped the held group; the redialed one must read its replay, or the syncer
+    drops it too (its send stall) and the learner counts it as a failed redial."""
+    config = ClientConfig(
+        "127.0.0.1", syncer.port, num_streams=0, heartbeat_interval=0.2, inbox_cap_bytes=INBOX_CAP
+    )
+    client = SyncerClient(config, HELLO, MIB_LIMITS)
+    client.start()
+    make_client.append(client)
+    first = syncer.accept_group(0)
+    values = np.ones(1 << 18, dtype=np.float32).view(np.uint8).data
+    for version in range(1, 5):  # 4 MiB: over the 2 MiB cap, and the reads are held
+        first.control.send(BcastFragment(0, version, values))
+    wait_for(lambda: client.inbox_bytes > INBOX_CAP)
+    first.control.sock.close()  # the syncer drops it; a failing heartbeat ends the group
+    fresh = syncer.accept_group(0, timeout=10)
+    held = client.inbox_bytes
+    fresh.control.send(BcastFragment(0, 9, values))
+    wait_for(lambda: client.inbox_bytes >= held + (1 << 20))
+    fresh.control.sock.close()
+
+
 def test_close_lets_go_of_a_reader_held_by_a_full_inbox(
     syncer: ScriptedSyncer, make_client: list[SyncerClient]
 ) -> None:

@@ -7,10 +7,14 @@ has not started, because the older round is over and the syncer would reject it 
 
 from __future__ import annotations
 
+import gc
 import socket
+import threading
+import weakref
 
 import anyio
 import anyio.to_thread
+import numpy as np
 
 from yeto_learn.transport.group import ConnectionGroup, Counters
 from yeto_proto import (
@@ -57,7 +61,7 @@ def _exactly(sock: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
-def test_a_push_superseded_before_its_first_byte_is_withdrawn() -> None:
+def test_a_push_superseded_before_its_first_byte_is_replaced_in_place() -> None:
     learner_end, syncer_end = socket.socketpair()
     learner_end.setblocking(False)
     counters = Counters()
@@ -73,7 +77,7 @@ def test_a_push_superseded_before_its_first_byte_is_withdrawn() -> None:
             await anyio.sleep(0.2)  # step 1 is half written: started, so it stays
             group.send(push(0, 2))  # waits behind step 1 ...
             group.send(push(1, 3))  # another fragment: kept
-            group.send(push(0, 4))  # ... and is superseded here, before its first byte
+            group.send(push(0, 4))  # ... and step 4 takes its place, before its first byte
             group.send(Heartbeat(3, 9))
             received.extend(await anyio.to_thread.run_sync(read_frames, syncer_end, 4))
             group.stop("done", flush=False)
@@ -82,10 +86,109 @@ def test_a_push_superseded_before_its_first_byte_is_withdrawn() -> None:
         anyio.run(scenario)
     finally:
         syncer_end.close()
-    pushes = [
-        (fields[1], fields[2]) for kind, fields in received if kind == FrameType.PUSH_FRAGMENT
-    ]
-    assert pushes == [(0, 1), (1, 3), (0, 4)]  # (fragment, step): step 2 never went out
+    pushes = [(f[1], f[2]) for kind, f in received if kind == FrameType.PUSH_FRAGMENT]
+    assert pushes == [(0, 1), (0, 4), (1, 3)]  # (fragment, step): step 2 never went out
     assert received[-1] == (FrameType.HEARTBEAT, (3, 9))
     assert counters.frames_dropped == 1
-    assert group.unsent == []  # withdrawn is not "unsent": it must not be sent again
+    assert group.unsent == []
+
+
+def read_chunks(sock: socket.socket, done: threading.Event) -> list[tuple[int, int, int, bytes]]:
+    """(msg_id, total_len, offset, data) of every CHUNK until ``done`` and the socket is idle."""
+    sock.settimeout(0.5)
+    chunks = []
+    while True:
+        try:
+            head = _exactly(sock, HEADER_STRUCT.size)
+        except TimeoutError:
+            if done.is_set():
+                return chunks
+            continue
+        _, kind, length = HEADER_STRUCT.unpack(head)
+        payload = _exactly(sock, length)
+        msg_id, total, offset = PREFIX_STRUCTS[FrameType.CHUNK].unpack_from(payload)
+        chunks.append((msg_id, total, offset, payload[24:]))
+
+
+def test_a_replaced_striped_push_keeps_the_chunk_message_ids_gapless() -> None:
+    """The newer PUSH takes the older one's msg_id: the receiver's count has no hole in it."""
+    pairs = [socket.socketpair() for _ in range(3)]
+    for learner_end, _ in pairs:
+        learner_end.setblocking(False)
+    group = ConnectionGroup(
+        [learner_end for learner_end, _ in pairs],
+        LIMITS,
+        deliver=lambda m: None,
+        counters=Counters(),
+        recv_buffer=bytearray(64),
+    )
+    done = threading.Event()
+    results: list[list[tuple[int, int, int, bytes]]] = [[], []]
+
+    async def scenario() -> None:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(group.run)
+            group.send(push(0, 1, STUCK_BYTES))  # msg 0, striped over both data sockets
+            await anyio.sleep(0.2)
+            group.send(push(0, 2))  # msg 1, queued behind msg 0 ...
+            group.send(push(1, 3))  # msg 2
+            group.send(push(0, 4))  # ... replaced by step 4, still msg 1
+
+            def drain(index: int) -> None:
+                results[index] = read_chunks(pairs[1 + index][1], done)
+
+            async with anyio.create_task_group() as readers:
+                for index in (0, 1):
+                    readers.start_soon(anyio.to_thread.run_sync, drain, index)
+                await anyio.sleep(3.0)
+                done.set()
+            group.stop("done", flush=False)
+
+    try:
+        anyio.run(scenario)
+    finally:
+        for _, syncer_end in pairs:
+            syncer_end.close()
+    chunks = results[0] + results[1]
+    by_message: dict[int, bytearray] = {}
+    for msg_id, total, offset, data in chunks:
+        message = by_message.setdefault(msg_id, bytearray(total))
+        message[offset : offset + len(data)] = data
+    assert sorted(by_message) == [0, 1, 2]
+    steps = {
+        msg_id: PREFIX_STRUCTS[FrameType.PUSH_FRAGMENT].unpack_from(bytes(inner), 13)[2]
+        for msg_id, inner in by_message.items()
+    }
+    assert steps == {0: 1, 1: 4, 2: 3}
+
+
+def test_a_written_push_lets_go_of_its_tensor() -> None:
+    """The queue keeps a PUSH's place for a replacement, not its buffers once written."""
+    learner_end, syncer_end = socket.socketpair()
+    learner_end.setblocking(False)
+    group = ConnectionGroup(
+        [learner_end],
+        LIMITS,
+        deliver=lambda m: None,
+        counters=Counters(),
+        recv_buffer=bytearray(64),
+    )
+    delta = np.zeros(100, dtype="<f4")
+    alive = weakref.ref(delta)
+    pending = [PushFragment(3, 0, 1, 1, 0, 1, 1, 1, memoryview(delta).cast("B"))]
+    del delta  # from here on only the PUSH refers to it
+
+    async def scenario() -> None:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(group.run)
+            group.send(pending.pop())
+            await anyio.to_thread.run_sync(read_frames, syncer_end, 1)
+            await anyio.sleep(0.05)
+            group.stop("done", flush=False)
+
+    try:
+        anyio.run(scenario)
+    finally:
+        syncer_end.close()
+    gc.collect()
+    assert alive() is None

@@ -68,19 +68,35 @@ class ChunkSlicer:
         self._next_msg_id = 0
         self._next_stream = 0
 
+    @property
+    def next_msg_id(self) -> int:
+        """The id :meth:`slice` gives the next message (one more than the last one's)."""
+        return self._next_msg_id
+
     def slice(self, inner_frame: Buffers) -> list[StripedFrame]:
-        total = sum(len(as_byte_view(b)) for b in inner_frame)
         msg_id = self._next_msg_id
         self._next_msg_id += 1
         out = []
+        for piece in self.pieces(inner_frame, msg_id):
+            out.append(StripedFrame(self._next_stream, piece))
+            self._next_stream = (self._next_stream + 1) % self.num_data_streams
+        return out
+
+    def pieces(self, inner_frame: Buffers, msg_id: int) -> list[Buffers]:
+        """The CHUNK frames of ``inner_frame`` as message ``msg_id``, in offset order.
+
+        Touches neither the message count nor the round-robin: a sender that replaces a queued,
+        unstarted message by one of the same size reuses the old one's id and slots.
+        """
+        total = sum(len(as_byte_view(b)) for b in inner_frame)
+        out: list[Buffers] = []
         for offset in range(0, total, self.slice_size):
             part = _views(inner_frame, offset, min(offset + self.slice_size, total))
             size = sum(len(v) for v in part)
             head = header(FrameType.CHUNK, CHUNK_ENVELOPE_SIZE + size) + CHUNK_PREFIX.pack(
                 msg_id, total, offset
             )
-            out.append(StripedFrame(self._next_stream, [head, *part]))
-            self._next_stream = (self._next_stream + 1) % self.num_data_streams
+            out.append([head, *part])
         return out
 
 

@@ -72,8 +72,6 @@ class _Outgoing:
     message: AnyMessage | None = None
     #: Some byte of it went into the socket: it may have reached the syncer.
     started: bool = False
-    #: Superseded before its first byte: the writer skips it (its buffers are released).
-    withdrawn: bool = False
 
 
 @dataclass(eq=False)
@@ -81,15 +79,13 @@ class _QueuedPush:
     """The frames of one PUSH (one plain frame, or its CHUNKs), so a newer one can replace it."""
 
     frames: list[_Outgoing]
+    #: Its CHUNK message id (``None`` when it went plain on stream 0).
+    msg_id: int | None
+    size: int
 
     @property
     def started(self) -> bool:
         return any(frame.started for frame in self.frames)
-
-    def withdraw(self) -> None:
-        for frame in self.frames:
-            frame.withdrawn = True
-            frame.frame = []
 
 
 @dataclass(eq=False)
@@ -201,30 +197,43 @@ class ConnectionGroup:
         if self._ended.is_set():
             self._counters.frames_dropped += 1
             return
-        if isinstance(message, PushFragment):
-            self._withdraw_superseded_push(message.fragment_id)
         frame = encode(message)
+        if isinstance(message, PushFragment) and self._replace_queued_push(message, frame):
+            return
+        msg_id: int | None = None
         if self._slicer is None or message.TYPE not in STRIPED_TYPES:
             frames = [self._streams[0].put(frame, message)]
         else:
-            frames = [
-                self._streams[1 + piece.stream_idx].put(piece.buffers)
-                for piece in self._slicer.slice(frame)
-            ]
+            pieces = self._slicer.slice(frame)
+            msg_id = self._slicer.next_msg_id - 1
+            frames = [self._streams[1 + piece.stream_idx].put(piece.buffers) for piece in pieces]
         if isinstance(message, PushFragment):
-            self._pushes[message.fragment_id] = _QueuedPush(frames)
+            size = sum(len(memoryview(b)) for b in frame)
+            self._pushes[message.fragment_id] = _QueuedPush(frames, msg_id, size)
 
-    def _withdraw_superseded_push(self, fragment_id: int) -> None:
-        """Drop an older PUSH of the fragment that has not started: its round is over.
+    def _replace_queued_push(self, push: PushFragment, frame: Buffers) -> bool:
+        """Put ``push`` in the place of an older PUSH of its fragment that has not started.
 
         Rounds in flight target distinct fragments, so a newer PULL of a fragment means the
         older round was committed or its attempt discarded, and the syncer would reject the
         older PUSH. A syncer that reads slowly would otherwise let the pushes pile up here.
+        The newer one takes the older one's frames in their queues, and when striped its CHUNK
+        message id too (same fragment, same size, same slices): the ids stay a gapless count.
         """
-        older = self._pushes.pop(fragment_id, None)
-        if older is not None and not older.started:
-            older.withdraw()
-            self._counters.frames_dropped += 1
+        older = self._pushes.pop(push.fragment_id, None)
+        if older is None or older.started or older.size != sum(len(memoryview(b)) for b in frame):
+            return False
+        if older.msg_id is None:
+            (slot,) = older.frames
+            slot.frame, slot.message = frame, push
+        else:
+            assert self._slicer is not None
+            pieces = self._slicer.pieces(frame, older.msg_id)
+            for slot, piece in zip(older.frames, pieces, strict=True):
+                slot.frame = piece
+        self._pushes[push.fragment_id] = older
+        self._counters.frames_dropped += 1
+        return True
 
     def send_first(self, frames: list[Buffers]) -> None:
         """The opening frame of each socket (HELLO on stream 0, DATA_HELLO on the others)."""
@@ -253,7 +262,7 @@ class ConnectionGroup:
                 self.unsent += [
                     out.message
                     for out in stream.queue
-                    if out.message is not None and not out.started and not out.withdrawn
+                    if out.message is not None and not out.started
                 ]
                 stream.queue.clear()
             self._reassembler.clear()
@@ -301,7 +310,10 @@ class ConnectionGroup:
         name = "stream 0" if stream.index == 0 else f"data stream {stream.index - 1}"
         watermark = ReceiveWatermark(sock, self._read_watermark)
         while True:
-            if self._room_to_read is not None:
+            if self._room_to_read is not None and self.received_any:
+                # A group that has received nothing yet reads anyway: messages of a lost group
+                # may still fill the inbox, and a new group whose replay is never read is
+                # dropped by the syncer's send stall and counts as a failed redial.
                 await self._room_to_read()
             into, direct = decoder.next_read(view)
             try:
@@ -366,13 +378,19 @@ class ConnectionGroup:
                 self._end(str(exc))
                 return
             if queue:
-                queue.popleft()
+                written = queue.popleft()
+                # Its buffers may be a whole encoded delta: not kept once they are written.
+                written.frame, written.message = [], None
 
     async def _write_frame(self, sock: socket.socket, outgoing: _Outgoing) -> None:
-        pending = OutgoingBuffers(outgoing.frame, IOV_BATCH)
+        source = outgoing.frame
+        pending = OutgoingBuffers(source, IOV_BATCH)
         while not pending.done:
-            if outgoing.withdrawn:
-                return  # superseded while it waited for room, before its first byte
+            if outgoing.frame is not source:
+                # Replaced by a newer PUSH while it waited for room, before its first byte
+                # (a started frame is never replaced).
+                source = outgoing.frame
+                pending = OutgoingBuffers(source, IOV_BATCH)
             try:
                 sent = sock.sendmsg(pending.batch())
             except (BlockingIOError, InterruptedError):
