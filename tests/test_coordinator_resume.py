@@ -92,16 +92,20 @@ def _with(checkpoint: Checkpoint, **changes: Any) -> Checkpoint:
     return dataclasses.replace(checkpoint, **changes)
 
 
+def _renumbered(fragments: Any, versions: tuple[int, ...]) -> tuple[Any, ...]:
+    return tuple(
+        dataclasses.replace(f, version=v) for f, v in zip(fragments, versions, strict=True)
+    )
+
+
 @pytest.mark.parametrize(
     ("mutate", "hello", "reason"),
     [
         (lambda c: _with(c, contract=b"\x09" * 32), {}, "contract"),
         (lambda c: _with(c, contract=None), {}, "contract"),
         (lambda c: c, {"layout_fingerprint": b"\x08" * 32}, "fingerprint"),
-        (lambda c: _with(c, iso_backend=IsoBackend.TORCH_SVD), {}, "backend"),
-        (lambda c: _with(c, format=CheckpointFormat.V1, iso_backend=None), {}, "V1"),
-        (lambda c: _with(c, global_step=5), {}, "version"),
-        (lambda c: _with(c, fragments=c.fragments[:2]), {}, "fragments"),
+        # Two fragments at the versions step 4 gives two: consistent, but not this layout.
+        (lambda c: _with(c, fragments=_renumbered(c.fragments[:2], (3, 4))), {}, "fragments"),
     ],
 )
 def test_ineligible_checkpoint_refuses_the_hello_and_keeps_serving(
@@ -118,6 +122,23 @@ def test_ineligible_checkpoint_refuses_the_hello_and_keeps_serving(
     assert reason in refusal.error.text
     assert not [a for a in actions if isinstance(a, Exit)]
     assert sim.coordinator.session is None and sim.coordinator.model is None
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda c: _with(c, iso_backend=IsoBackend.TORCH_SVD), "backend"),
+        (lambda c: _with(c, format=CheckpointFormat.V1, iso_backend=None), "V1"),
+        (lambda c: _with(c, global_step=5), "version"),
+    ],
+)
+def test_a_checkpoint_no_hello_could_resume_is_refused_before_any(
+    tmp_path: Path, mutate: Any, reason: str
+) -> None:
+    """Otherwise every HELLO would be refused, forever (the daemon refuses it at start)."""
+    checkpoint = mutate(saved_at_step_4(tmp_path, uninterrupted(tmp_path)))
+    with pytest.raises(ValueError, match=reason):
+        Sim(config(tmp_path, resume=True), LAYOUT, checkpoint=checkpoint)
 
 
 def test_a_stray_hello_does_not_end_a_resumed_run(tmp_path: Path) -> None:

@@ -261,10 +261,13 @@ def test_misuse_is_refused_before_anything_changes(tmp_path: Path) -> None:
         model = regression_model()
         learner = Learner(model, syncer=syncer.address, learner_id=0, num_learners=1,
                           fragments=3, connect_timeout=30)  # fmt: skip
-        for bad in (2.9, -1, 1 << 64, True, "5"):
+        for bad in (2.9, -1, 1 << 64, True, "5", torch.tensor(2.5)):
             with pytest.raises(ValueError, match="tokens must be"):
                 learner.step(tokens=bad)  # type: ignore[arg-type]
         assert learner.stats.local_step == 0
+        for exact in (np.int64(4), torch.tensor(4)):  # integers of other kinds are taken
+            learner.step(tokens=exact)  # type: ignore[arg-type]
+        assert (learner.stats.local_step, learner.stats.tokens) == (2, 8)
 
         inside, leave = threading.Event(), threading.Event()
         sum_tokens = learner._link.sum_tokens
@@ -283,7 +286,7 @@ def test_misuse_is_refused_before_anything_changes(tmp_path: Path) -> None:
         leave.set()
         first.join(10)
         learner._link.sum_tokens = sum_tokens  # type: ignore[method-assign]
-        assert learner.stats.local_step == 1
+        assert learner.stats.local_step == 3
         while not learner.final_ready:
             learner.step(tokens=1)
             time.sleep(0.001)

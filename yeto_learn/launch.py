@@ -342,7 +342,10 @@ def run(args: argparse.Namespace) -> int:
             )
             return 128 + stop.signum
         finally:
-            stop_children(children)
+            try:
+                stop_children(children)
+            except Stopped:  # a first signal while they stop after a normal end: finish the job
+                stop_children(children)
 
 
 def _artifacts_kept(paths: Paths, learners: int) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import numbers
+import operator
 import os
 import threading
 import time
@@ -674,13 +674,20 @@ class Learner:
 
 
 def _checked_tokens(tokens: int) -> int:
-    """A step's token count, refused before anything changes when it could not be one."""
-    # bool is an int, and 2.9 tokens must not quietly become 2.
-    if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral):
+    """A step's token count, refused before anything changes when it could not be one.
+
+    Anything with an exact integer value is taken (numpy and 0-d torch integers included); a
+    bool, or a float such as 2.9 that would quietly become 2, is not.
+    """
+    try:
+        value = operator.index(tokens)
+    except TypeError:
+        value = None
+    if isinstance(tokens, bool) or value is None:
         raise ValueError(f"tokens must be an integer, got {type(tokens).__name__}")
-    if not 0 <= tokens < 1 << 64:
-        raise ValueError(f"tokens must be in 0..2^64-1, got {tokens}")
-    return int(tokens)
+    if not 0 <= value < 1 << 64:
+        raise ValueError(f"tokens must be in 0..2^64-1, got {value}")
+    return value
 
 
 def _write_text_atomically(path: Path, text: str) -> None:

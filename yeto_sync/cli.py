@@ -384,13 +384,19 @@ def _start_and_serve(args: argparse.Namespace) -> int:
         if not serving:
             raise interrupted from None
         name = signal.Signals(interrupted.signum).name
-        print(f"{PROG}: stopped by {name}; {_kept_state(serving[0])}", file=sys.stderr)
+        _last_line(f"{PROG}: stopped by {name}; {_kept_state(serving[0])}")
         return 128 + interrupted.signum
     finally:
         if iso_pool is not None:
             iso_pool.close()  # stops and, if need be, kills every worker: no orphans
-    print(f"{PROG}: {exit_action.reason}; {kept}", file=sys.stderr, flush=True)
+    _last_line(f"{PROG}: {exit_action.reason}; {kept}")
     return exit_action.code
+
+
+def _last_line(text: str) -> None:
+    """The line saying why the daemon stopped; a closed stderr must not change the exit code."""
+    with contextlib.suppress(OSError, ValueError):
+        print(text, file=sys.stderr, flush=True)
 
 
 def _sole_exception(raised: BaseException) -> BaseException:

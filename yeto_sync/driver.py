@@ -404,6 +404,8 @@ class Driver:
         try:
             await anyio.to_thread.run_sync(pool.drain)  # bounded by the pool's deadlines
         except MergeError as exc:
+            if self._stop_request is not None:
+                return False  # a stop closed the pool: the stop ends the run, nothing is written
             await self._finish(self._fail(f"{what} not written: {exc}"))
             return False
         return True

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from yeto_proto.checkpoint import Checkpoint, resume_decision
+from yeto_proto.checkpoint import Checkpoint, refusal_before_hello, resume_decision
 from yeto_proto.constants import IsoBackend, WireDtype
 from yeto_proto.errors import ErrorCode, ProtocolError
 from yeto_proto.limits import Limits
@@ -155,6 +155,11 @@ class Coordinator:
                 f"iso solver backend {iso_solver.backend.name} differs from the configured "
                 f"{config.iso_backend.name}"
             )
+        if checkpoint is not None:
+            # No HELLO could make it resumable: every HELLO would be refused, forever.
+            refusal = refusal_before_hello(checkpoint, iso_solver.backend)
+            if refusal is not None:
+                raise ValueError(f"the checkpoint cannot be resumed: {refusal}")
         self.config = config
         self._solver = iso_solver
         self._work_clock = work_clock
