@@ -287,6 +287,16 @@ def test_settings_from_the_environment() -> None:
     assert default.request_deadline(4096, 4096) > default.request_deadline(64, 64) >= 60.0
     with pytest.raises(ValueError, match="YETO_ISO_WORKERS"):
         IsoPoolSettings.from_env(16, {"YETO_ISO_WORKERS": "two"})
+    # Counts are bounded (each worker imports torch) and the error names the variable.
+    for name, text in (
+        ("YETO_ISO_WORKERS", "0"),
+        ("YETO_ISO_WORKERS", "-2"),
+        ("YETO_ISO_WORKERS", "100000"),
+        ("YETO_ISO_THREADS", "100000"),
+        ("YETO_ISO_THREADS", "1.5"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            IsoPoolSettings.from_env(16, {name: text})
     with pytest.raises(ValueError, match="capacity"):
         IsoPoolSettings(capacity=0)
 

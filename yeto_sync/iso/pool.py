@@ -58,6 +58,9 @@ from .worker import FaultPlan, worker_main
 F32Array = NDArray[np.float32]
 IsoInput = NDArray[np.float32] | NDArray[np.float64]
 
+#: Upper bounds of ``YETO_ISO_WORKERS`` and ``YETO_ISO_THREADS`` per core of the machine.
+MAX_WORKERS_PER_CORE: Final = 2
+MAX_THREADS_PER_CORE: Final = 4
 #: Seconds :meth:`IsoWorkerPool.close` gives idle workers to exit before it kills them.
 STOP_GRACE_S: Final = 2.0
 #: Longest single wait of the supervisor, so liveness is looked at even when nothing happens.
@@ -190,10 +193,18 @@ class IsoPoolSettings:
             try:
                 return kind(text)
             except ValueError:
-                raise ValueError(f"{name}={text!r} is not a valid number") from None
+                raise ValueError(f"{name}={text!r} is not a valid {kind.__name__}") from None
 
-        workers = number(ENV_WORKERS, int)
-        threads = number(ENV_THREADS, int)
+        def count(name: str, most: int) -> int | None:
+            value = number(name, int)
+            if value is not None and not 1 <= value <= most:
+                # Each worker imports torch (hundreds of MiB): the bound keeps memory bounded.
+                raise ValueError(f"{name}={env[name]!r} must be in 1..{most} on this machine")
+            return None if value is None else int(value)
+
+        cores = os.cpu_count() or 1
+        workers = count(ENV_WORKERS, MAX_WORKERS_PER_CORE * cores)
+        threads = count(ENV_THREADS, MAX_THREADS_PER_CORE * cores)
         startup = number(ENV_STARTUP_DEADLINE, float)
         request = number(ENV_REQUEST_DEADLINE, float)
         drain = number(ENV_DRAIN_DEADLINE, float)
