@@ -102,6 +102,8 @@ class BenchConfig:
             raise ValueError(f"--learners must be >= 1, got {self.learners}")
         if self.fragments < 1:
             raise ValueError(f"--fragments must be >= 1, got {self.fragments}")
+        if self.batch_size < 1:  # 0 trains nothing: c_tokens 0 weighs every push at zero
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
         if not 1 <= self.budget < 1 << 32:
             raise ValueError(
                 f"--budget must be in 1..2^32-1 (it travels as c_steps), got {self.budget}"
