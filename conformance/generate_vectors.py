@@ -97,8 +97,10 @@ FLAG_NOTES = {
     "NewGeneration": "Another connection_generation of a learner id that was admitted before.",
     "Normal": "An ordinary, typical case.",
     "OutOfOrder": "CHUNKs arrive in another order than they were sent.",
+    "Pipeline": "A later round completed before a lower one and waits for its commit.",
     "Padding": "The last q4 block is zero-padded to 256 values.",
     "ProfileHash": "HELLO carries the optional 32-byte syncer profile hash.",
+    "Retry": "A quorum deadline discarded an attempt before the PUSH arrived.",
     "Rounding": "A value that is not exactly representable; pins the rounding rule.",
     "SameLimits": "The numeric layout differs from the session's, yet every frame limit derived "
     "from it (dtype and fragment numel sums) is the same: comparing limits is not enough.",
@@ -3857,6 +3859,387 @@ def admission_file() -> Json:
     )
 
 
+# -- PUSH acceptance -----------------------------------------------------------------------------
+
+#: The syncer push_acceptance.json runs against: two learners, quorum 2 (so an attempt's K is
+#: always its member count and no grace window opens), pipeline 2, --max-base-lag 2.
+PUSH_SYNCER = Profile(learners=2, total_steps=1000, quorum=2, max_base_lag=2)
+#: Its session: S_F32's layout (F = 2: avg [4, 1] and rda [3]), HELLOs without data streams.
+PUSH_NUMELS = S_F32.numels
+
+
+def member_hello(learner_id: int, generation: int) -> Json:
+    fields = replace(S_F32.hello, learner_id=learner_id, generation=generation, num_streams=0)
+    return {"event": "hello", "hex": frame(HELLO, fields.payload()).hex()}
+
+
+def init_event(fragment_id: int) -> Json:
+    data = S_F32.bulk(fragment_id, f"push acceptance: INIT of fragment {fragment_id}")
+    return {
+        "event": "frame",
+        "id": 0,
+        "generation": 1,
+        "hex": init_params(fragment_id, data)[0].hex(),
+    }
+
+
+def acceptance_push(
+    learner_id: int,
+    generation: int,
+    step: int,
+    *,
+    fragment: int | None = None,
+    attempt: int = 1,
+    base: int = 0,
+    claimed_id: int | None = None,
+    nan: bool = False,
+) -> bytes:
+    """The PUSH learner ``learner_id`` (generation ``generation``) sends for round ``step``:
+    fragment ``(step − 1) mod F`` unless named, ``c_steps`` 24, ``local_step`` 24·step."""
+    fragment = (step - 1) % len(PUSH_NUMELS) if fragment is None else fragment
+    values = sample_values(
+        f"push acceptance: learner {learner_id}/{generation}, step {step}", PUSH_NUMELS[fragment]
+    )
+    data = f32_bytes(values)
+    if nan:
+        data = struct.pack("<I", 0x7FC00000) + data[4:]
+    built, _ = push_fragment(
+        data,
+        learner_id=learner_id if claimed_id is None else claimed_id,
+        fragment_id=fragment,
+        global_step=step,
+        round_attempt=attempt,
+        base_version=base,
+        local_step=24 * step,
+        c_steps=24,
+        c_tokens=24 * 512,
+    )
+    return built
+
+
+def push_event(learner_id: int, generation: int, step: int, **kwargs: Any) -> Json:
+    return {
+        "event": "frame",
+        "id": learner_id,
+        "generation": generation,
+        "hex": acceptance_push(learner_id, generation, step, **kwargs).hex(),
+    }
+
+
+def close_event(learner_id: int, generation: int) -> Json:
+    return {"event": "close", "id": learner_id, "generation": generation}
+
+
+def deadline_event(step: int) -> Json:
+    return {"event": "quorum_deadline", "step": step}
+
+
+def commit(step: int) -> list[Json]:
+    """Both first generations answer round ``step``, completing it."""
+    return [push_event(0, 1, step), push_event(1, 1, step)]
+
+
+#: Learners 0 and 1 (generation 1) connect and learner 0 initializes both fragments: the session
+#: starts and rounds 1 (fragment 0) and 2 (fragment 1) launch at version 0, attempt 1, with
+#: members (0, 1) and (1, 1).
+START = [member_hello(0, 1), member_hello(1, 1), init_event(0), init_event(1)]
+
+
+def acceptance(
+    comment: str,
+    script: list[Json],
+    sender: tuple[int, int],
+    push: bytes,
+    outcome: str,
+    *flags: str,
+    code: str | None = None,
+    staleness: int | None = None,
+) -> Json:
+    test: Json = {
+        "comment": comment,
+        "flags": list(flags),
+        "script": script,
+        "sender": {"id": sender[0], "generation": sender[1]},
+        "push": push.hex(),
+        "result": outcome,
+    }
+    if code is not None:
+        test["code"] = code
+    if staleness is not None:
+        test["staleness"] = staleness
+    return test
+
+
+def push_acceptance_file() -> Json:
+    superseded = [*START, member_hello(0, 2)]
+    rounds_1_to_3 = [*START, *commit(1), *commit(2), *commit(3)]
+    tests = [
+        acceptance(
+            "a member's first PUSH for round 1, base_version = launch version 0",
+            START,
+            (0, 1),
+            acceptance_push(0, 1, 1),
+            "accepted",
+            "Normal",
+            staleness=0,
+        ),
+        acceptance(
+            "round 3 (fragment 0) launched at version 1; base_version 0: staleness 1 <= 2",
+            [*START, *commit(1)],
+            (1, 1),
+            acceptance_push(1, 1, 3),
+            "accepted",
+            "Normal",
+            staleness=1,
+        ),
+        acceptance(
+            "round 5 (fragment 0) launched at version 3; base_version 1: staleness 2 = "
+            "--max-base-lag",
+            rounds_1_to_3,
+            (0, 1),
+            acceptance_push(0, 1, 5, base=1),
+            "accepted",
+            "Boundary",
+            staleness=2,
+        ),
+        acceptance(
+            "a superseded generation still answers the attempt that captured it",
+            superseded,
+            (0, 1),
+            acceptance_push(0, 1, 1),
+            "accepted",
+            "NewGeneration",
+            staleness=0,
+        ),
+        acceptance(
+            "round 3 was never launched (pipeline 2: rounds 1 and 2 are in flight)",
+            START,
+            (0, 1),
+            acceptance_push(0, 1, 3),
+            "rejected",
+            "Normal",
+            code="PUSH_OUT_OF_ROUND",
+        ),
+        acceptance(
+            "global_step 0: rounds start at 1",
+            START,
+            (0, 1),
+            acceptance_push(0, 1, 0, fragment=0),
+            "rejected",
+            "Boundary",
+            code="PUSH_OUT_OF_ROUND",
+        ),
+        acceptance(
+            "round 1 is committed",
+            [*START, *commit(1)],
+            (0, 1),
+            acceptance_push(0, 1, 1),
+            "rejected",
+            "Normal",
+            code="PUSH_OUT_OF_ROUND",
+        ),
+        acceptance(
+            "round 1 gathers fragment 0; the PUSH names fragment 1",
+            START,
+            (0, 1),
+            acceptance_push(0, 1, 1, fragment=1),
+            "rejected",
+            "Normal",
+            code="PUSH_OUT_OF_ROUND",
+        ),
+        acceptance(
+            "round 2 is complete, waiting for round 1 to commit; learner 0 pushes again: the "
+            "complete round (row 5) comes before the duplicate (row 9)",
+            [*START, *commit(2)],
+            (0, 1),
+            acceptance_push(0, 1, 2),
+            "rejected",
+            "CheckOrder",
+            "Pipeline",
+            code="PUSH_OUT_OF_ROUND",
+        ),
+        acceptance(
+            "fragment 1 for round 1 at attempt 2: the fragment (row 5) before the attempt (row 7)",
+            START,
+            (0, 1),
+            acceptance_push(0, 1, 1, fragment=1, attempt=2),
+            "rejected",
+            "CheckOrder",
+            code="PUSH_OUT_OF_ROUND",
+        ),
+        acceptance(
+            "round 1 is at attempt 1; the PUSH names attempt 2",
+            START,
+            (0, 1),
+            acceptance_push(0, 1, 1, attempt=2),
+            "rejected",
+            "Normal",
+            code="PUSH_WRONG_ATTEMPT",
+        ),
+        acceptance(
+            "attempt 1 of round 1 was discarded at its quorum deadline and attempt 2 launched at "
+            "once (both learners connected); a late answer to attempt 1",
+            [*START, deadline_event(1)],
+            (1, 1),
+            acceptance_push(1, 1, 1),
+            "rejected",
+            "Retry",
+            code="PUSH_WRONG_ATTEMPT",
+        ),
+        acceptance(
+            "learner 1 left and attempt 1 of round 1 was discarded: the round waits for a retry "
+            "(1 learner connected, K was 2); a PUSH for attempt 1",
+            [*START, close_event(1, 1), deadline_event(1)],
+            (0, 1),
+            acceptance_push(0, 1, 1),
+            "rejected",
+            "Retry",
+            code="PUSH_WRONG_ATTEMPT",
+        ),
+        acceptance(
+            "the same waiting round; a PUSH for attempt 2, which has not launched",
+            [*START, close_event(1, 1), deadline_event(1)],
+            (0, 1),
+            acceptance_push(0, 1, 1, attempt=2),
+            "rejected",
+            "Retry",
+            code="PUSH_WRONG_ATTEMPT",
+        ),
+        acceptance(
+            "generation 2 of learner 0 connected after round 1 launched: not a member",
+            superseded,
+            (0, 2),
+            acceptance_push(0, 2, 1),
+            "rejected",
+            "NewGeneration",
+            code="PUSH_WRONG_GENERATION",
+        ),
+        acceptance(
+            "round 3 captured generation 2 of learner 0; superseded generation 1 pushes for it",
+            [*superseded, *commit(1)],
+            (0, 1),
+            acceptance_push(0, 1, 3),
+            "rejected",
+            "NewGeneration",
+            code="PUSH_WRONG_GENERATION",
+        ),
+        acceptance(
+            "a non-member with attempt 2: the attempt (row 7) before the generation (row 8)",
+            superseded,
+            (0, 2),
+            acceptance_push(0, 2, 1, attempt=2),
+            "rejected",
+            "CheckOrder",
+            "NewGeneration",
+            code="PUSH_WRONG_ATTEMPT",
+        ),
+        acceptance(
+            "a non-member with base_version 5: the generation (row 8) before the base (row 10)",
+            superseded,
+            (0, 2),
+            acceptance_push(0, 2, 1, base=5),
+            "rejected",
+            "CheckOrder",
+            "NewGeneration",
+            code="PUSH_WRONG_GENERATION",
+        ),
+        acceptance(
+            "learner 0 already answered attempt 1 of round 1",
+            [*START, push_event(0, 1, 1)],
+            (0, 1),
+            acceptance_push(0, 1, 1),
+            "rejected",
+            "Normal",
+            code="PUSH_DUPLICATE",
+        ),
+        acceptance(
+            "a repeat with base_version 9: the duplicate (row 9) before the base (row 10)",
+            [*START, push_event(0, 1, 1)],
+            (0, 1),
+            acceptance_push(0, 1, 1, base=9),
+            "rejected",
+            "CheckOrder",
+            code="PUSH_DUPLICATE",
+        ),
+        acceptance(
+            "a repeat carrying a NaN: judged (row 9) before decoded (row 13), the connection "
+            "stays open",
+            [*START, push_event(0, 1, 1)],
+            (0, 1),
+            acceptance_push(0, 1, 1, nan=True),
+            "rejected",
+            "CheckOrder",
+            "NaN",
+            code="PUSH_DUPLICATE",
+        ),
+        acceptance(
+            "round 1 launched at version 0; base_version 1",
+            START,
+            (0, 1),
+            acceptance_push(0, 1, 1, base=1),
+            "rejected",
+            "Boundary",
+            code="PUSH_FUTURE_BASE",
+        ),
+        acceptance(
+            "round 5 launched at version 3; base_version 0: staleness 3 > --max-base-lag 2",
+            rounds_1_to_3,
+            (1, 1),
+            acceptance_push(1, 1, 5),
+            "rejected",
+            "Boundary",
+            code="PUSH_TOO_STALE",
+        ),
+        acceptance(
+            "group (1, 1) sends a PUSH naming learner 0",
+            START,
+            (1, 1),
+            acceptance_push(1, 1, 1, claimed_id=0),
+            "fatal",
+            "Normal",
+            code="LEARNER_ID_MISMATCH",
+        ),
+        acceptance(
+            "learner 0's id from group (1, 1) for round 7, never launched: the identity (row 1) "
+            "before the round (row 4)",
+            START,
+            (1, 1),
+            acceptance_push(1, 1, 7, claimed_id=0),
+            "fatal",
+            "CheckOrder",
+            code="LEARNER_ID_MISMATCH",
+        ),
+        acceptance(
+            "a PUSH the round would accept carries a NaN",
+            START,
+            (0, 1),
+            acceptance_push(0, 1, 1, nan=True),
+            "fatal",
+            "NaN",
+            code="NON_FINITE_VALUE",
+        ),
+    ]
+    return vector_file(
+        "push_acceptance",
+        [
+            "PUSH acceptance (spec/syncer.md § 6): a syncer with the context's settings runs the",
+            "script's events in order (every one is handled normally: no HELLO is refused, no",
+            "group is closed, no PUSH is rejected), then receives push from sender: accepted,",
+            "rejected with code (dropped, a push_rejected tape line, the connection stays open),",
+            "or fatal with code (ERROR on the sender's group, which closes). Time stands still.",
+        ],
+        [push_acceptance_group(PUSH_SYNCER, tests)],
+    )
+
+
+def push_acceptance_group(syncer: Profile, tests: list[Json]) -> Json:
+    return {
+        "type": "PushAcceptanceTest",
+        "context": {"syncer_profile": syncer.as_json()},
+        "tests": tests,
+    }
+
+
 # -- identity ------------------------------------------------------------------------------------
 
 NAMED_LAYOUTS: list[tuple[str, NamedLayout, tuple[str, ...]]] = [
@@ -4006,6 +4389,7 @@ FILES: dict[str, Callable[[], Json]] = {
     "hello.json": hello_file,
     "hello_variants.json": hello_variants_file,
     "admission.json": admission_file,
+    "push_acceptance.json": push_acceptance_file,
     "data_hello.json": data_hello_file,
     "init_params.json": init_params_file,
     "pull_req.json": pull_req_file,

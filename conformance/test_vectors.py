@@ -75,14 +75,20 @@ from yeto_sync.coordinator import Coordinator
 from yeto_sync.events import (
     Action,
     AdmitGroup,
+    AppendTape,
     CloseGroup,
     ConnId,
+    Exit,
     GroupClosed,
     GroupKey,
     GroupReady,
     HelloReceived,
+    Log,
     MessageReceived,
     RefuseConnection,
+    Send,
+    SetTimer,
+    TimerFired,
 )
 
 Json = dict[str, Any]
@@ -888,3 +894,120 @@ def test_hello_admission(case: Case) -> None:
     closed = {keys[i] for i in case.test.get("closed", [])}
     assert all(coordinator.registry.is_open(k) == (k not in closed) for k in keys)
     assert coordinator.registry.was_admitted(key) == (key in keys), "nothing new was admitted"
+
+
+# -- PUSH acceptance -----------------------------------------------------------------------------
+
+
+def profile_config(profile: Json) -> SyncerConfig:
+    """A SyncerConfig from a profile in the ProfileHashTest form."""
+    fields = dict(profile)
+    checkpoint_enabled = fields.pop("checkpoint_enabled")
+    fields["delta_correction"] = DeltaCorrection[fields["delta_correction"].upper()]
+    fields["learner_weight"] = LearnerWeight[fields["learner_weight"].upper().replace("-", "_")]
+    return SyncerConfig(**fields, checkpoint_path=Path("push.ckpt") if checkpoint_enabled else None)
+
+
+def decode_on_group(frame: bytes, limits: Limits, num_learners: int) -> AnyMessage:
+    """``frame`` on an admitted group's socket: exactly one message."""
+    decoder = FrameDecoder(
+        Role.SYNCER, limits=limits, num_learners=num_learners, enforce_first_frame=False
+    )
+    decoder.feed(frame)
+    message = decoder.next_frame()
+    assert not isinstance(message, DecoderState), message
+    assert decoder.next_frame() is NEED_DATA
+    return message
+
+
+def rejected_tape(actions: list[Action]) -> list[dict[str, Any]]:
+    return [
+        a.record
+        for a in actions
+        if isinstance(a, AppendTape) and a.record.get("event") == "push_rejected"
+    ]
+
+
+@params(cases("PushAcceptanceTest"))
+def test_push_acceptance(case: Case) -> None:
+    """Run ``script`` through the coordinator (all at time 0), then ``push`` from ``sender``:
+    accepted (with ``staleness``), rejected on the tape with ``code``, or fatal ``code``."""
+    assert case.settings is not None
+    config = profile_config(case.settings["syncer_profile"])
+    coordinator = Coordinator(config)
+    now = 0.0
+    timers: dict[str, str] = {}  # "quorum:<step>" -> the latest quorum timer key of that step
+    conn = 0
+    for event in case.test["script"]:
+        match event["event"]:
+            case "hello":
+                conn += 1
+                hello = decode_first_hello(bytes.fromhex(event["hex"]), config.learners)
+                assert hello.num_streams == 0
+                key = GroupKey(hello.learner_id, hello.generation)
+                actions = coordinator.handle(HelloReceived(conn, hello), now)
+                assert refusal_code(actions, conn) is None, actions
+                actions += coordinator.handle(GroupReady(key), now)
+            case "frame":
+                session = coordinator.session
+                assert session is not None
+                message = decode_on_group(
+                    bytes.fromhex(event["hex"]),
+                    Limits.of(session.dtype, session.layout),
+                    config.learners,
+                )
+                key = GroupKey(event["id"], event["generation"])
+                actions = coordinator.handle(MessageReceived(key, message), now)
+            case "close":
+                key = GroupKey(event["id"], event["generation"])
+                actions = coordinator.handle(GroupClosed(key, "closed by the vector"), now)
+            case "quorum_deadline":
+                actions = coordinator.handle(TimerFired(timers[f"quorum:{event['step']}"]), now)
+            case other:
+                raise AssertionError(f"unknown script event {other}")
+        assert not any(isinstance(a, CloseGroup | RefuseConnection | Exit) for a in actions), (
+            event,
+            actions,
+        )
+        assert not rejected_tape(actions), (event, actions)
+        for action in actions:
+            if isinstance(action, SetTimer) and action.key.startswith("quorum:"):
+                timers[action.key.rsplit(":", 1)[0]] = action.key
+
+    sender = GroupKey(case.test["sender"]["id"], case.test["sender"]["generation"])
+    assert coordinator.registry.is_open(sender)
+    session = coordinator.session
+    assert session is not None
+    push = decode_on_group(
+        bytes.fromhex(case.test["push"]), Limits.of(session.dtype, session.layout), config.learners
+    )
+    assert isinstance(push, PushFragment)
+    actions = coordinator.handle(MessageReceived(sender, push), now)
+    closes = [a for a in actions if isinstance(a, CloseGroup)]
+    tape_lines = rejected_tape(actions)
+    if case.result == "fatal":
+        assert not tape_lines, actions
+        assert len(closes) == 1 and closes[0].group == sender, actions
+        assert closes[0].error is not None
+        assert closes[0].error.text.split(":", 1)[0] == case.code
+        assert not coordinator.registry.is_open(sender)
+        return
+    assert not closes, actions
+    assert coordinator.registry.is_open(sender), "the connection stays open"
+    if case.result == "rejected":
+        assert len(tape_lines) == 1, actions
+        line = tape_lines[0]
+        assert line["code"] == case.code
+        assert (line["id"], line["generation"]) == (sender.learner_id, sender.generation)
+        assert (line["step"], line["fragment"], line["attempt"]) == (
+            push.global_step,
+            push.fragment_id,
+            push.round_attempt,
+        )
+        assert (line["base_version"], line["local_step"]) == (push.base_version, push.local_step)
+        assert not any(isinstance(a, Send) for a in actions), "a rejected PUSH changes nothing"
+        return
+    assert case.result == "accepted" and not tape_lines, actions
+    accepted = [a for a in actions if isinstance(a, Log) and a.text == "PUSH accepted"]
+    assert len(accepted) == 1, actions
+    assert accepted[0].fields["staleness"] == case.test["staleness"]
