@@ -4240,6 +4240,226 @@ def push_acceptance_group(syncer: Profile, tests: list[Json]) -> Json:
     }
 
 
+# -- syncer session rules ------------------------------------------------------------------------
+
+#: The same syncer with --learner-budget-steps 100, for the BUDGET_DONE rules.
+BUDGET_SYNCER = replace(PUSH_SYNCER, learner_budget_steps=100)
+
+
+def session_init(fragment_id: int, seed: str, *, nan: bool = False) -> bytes:
+    """An INIT_PARAMS of ``fragment_id`` with values of its own (NaN first if ``nan``)."""
+    data = S_F32.bulk(fragment_id, f"syncer session: {seed}")
+    if nan:
+        data = struct.pack("<I", 0x7FC00000) + data[4:]
+    return init_params(fragment_id, data)[0]
+
+
+def session_event(learner_id: int, generation: int, built: bytes) -> Json:
+    return {"event": "frame", "id": learner_id, "generation": generation, "hex": built.hex()}
+
+
+def session_test(
+    comment: str,
+    script: list[Json],
+    sender: tuple[int, int],
+    built: bytes,
+    outcome: str,
+    *flags: str,
+    code: str | None = None,
+) -> Json:
+    test: Json = {
+        "comment": comment,
+        "flags": list(flags),
+        "script": script,
+        "sender": {"id": sender[0], "generation": sender[1]},
+        "frame": built.hex(),
+        "result": outcome,
+    }
+    if code is not None:
+        test["code"] = code
+    return test
+
+
+def syncer_session_file() -> Json:
+    both = [member_hello(0, 1), member_hello(1, 1)]
+    reconnected = [*both, close_event(0, 1), member_hello(0, 2)]
+    reported = [*START, session_event(0, 1, budget_done(100)[0])]
+    rules = [
+        session_test(
+            "learner 0 initializes fragment 0; both learners connected, nothing held yet",
+            both,
+            (0, 1),
+            session_init(0, "first INIT of fragment 0"),
+            "accepted",
+            "Normal",
+        ),
+        session_test(
+            "learner 0 initializes fragment 0 before learner 1 connects",
+            [member_hello(0, 1)],
+            (0, 1),
+            session_init(0, "first INIT of fragment 0"),
+            "accepted",
+            "Normal",
+        ),
+        session_test(
+            "learner 0 initializes the last fragment: every fragment is held, the session starts",
+            [*both, init_event(0)],
+            (0, 1),
+            session_init(1, "first INIT of fragment 1"),
+            "accepted",
+            "Normal",
+        ),
+        session_test(
+            "generation 2 of learner 0 initializes fragment 0: the rule names the learner id, "
+            "not the generation",
+            reconnected,
+            (0, 2),
+            session_init(0, "first INIT of fragment 0"),
+            "accepted",
+            "NewGeneration",
+        ),
+        session_test(
+            "learner 0 sends INIT of fragment 0 again, with other values: the fragment is held",
+            START,
+            (0, 1),
+            session_init(0, "a repeated INIT of fragment 0"),
+            "ignored",
+            "Normal",
+        ),
+        session_test(
+            "a repeated INIT of a held fragment carrying a NaN: the held fragment (row 3) comes "
+            "before the values (row 5), so it is dropped undecoded and the connection stays open",
+            START,
+            (0, 1),
+            session_init(0, "a repeated INIT of fragment 0", nan=True),
+            "ignored",
+            "CheckOrder",
+            "NaN",
+        ),
+        session_test(
+            "a repeated INIT from a new generation of learner 0 after the session started",
+            [*START, member_hello(0, 2)],
+            (0, 2),
+            session_init(1, "a repeated INIT of fragment 1"),
+            "ignored",
+            "NewGeneration",
+        ),
+        session_test(
+            "learner 1 sends INIT of fragment 0, which nothing holds yet",
+            both,
+            (1, 1),
+            session_init(0, "INIT from learner 1"),
+            "fatal",
+            "Normal",
+            code="INIT_NOT_ALLOWED",
+        ),
+        session_test(
+            "learner 1 sends INIT of fragment 0, already held: the sender (row 1) before the "
+            "held fragment (row 3)",
+            START,
+            (1, 1),
+            session_init(0, "INIT from learner 1"),
+            "fatal",
+            "CheckOrder",
+            code="INIT_NOT_ALLOWED",
+        ),
+        session_test(
+            "learner 1 sends INIT carrying a NaN: the sender (row 1) before the values (row 5)",
+            both,
+            (1, 1),
+            session_init(0, "INIT from learner 1", nan=True),
+            "fatal",
+            "CheckOrder",
+            "NaN",
+            code="INIT_NOT_ALLOWED",
+        ),
+        session_test(
+            "FINAL_ACK for step 1000 (--total-steps) while rounds 1 and 2 are in flight",
+            START,
+            (0, 1),
+            final_ack(1000)[0],
+            "fatal",
+            "Normal",
+            code="UNEXPECTED_FINAL_ACK",
+        ),
+        session_test(
+            "FINAL_ACK for step 0 before the session has started (learner 1 not connected)",
+            [member_hello(0, 1)],
+            (0, 1),
+            final_ack(0)[0],
+            "fatal",
+            "Boundary",
+            code="UNEXPECTED_FINAL_ACK",
+        ),
+        session_test(
+            "FINAL_ACK for step 1 from learner 1 after round 1 committed",
+            [*START, *commit(1)],
+            (1, 1),
+            final_ack(1)[0],
+            "fatal",
+            "Normal",
+            code="UNEXPECTED_FINAL_ACK",
+        ),
+        session_test(
+            "BUDGET_DONE with 100 steps; the syncer has no --learner-budget-steps",
+            START,
+            (0, 1),
+            budget_done(100)[0],
+            "fatal",
+            "Normal",
+            code="BUDGET_NOT_CONFIGURED",
+        ),
+        session_test(
+            "BUDGET_DONE before the session has started; the syncer has no budget",
+            [member_hello(0, 1)],
+            (0, 1),
+            budget_done(1)[0],
+            "fatal",
+            "Boundary",
+            code="BUDGET_NOT_CONFIGURED",
+        ),
+    ]
+    budgeted = [
+        session_test(
+            "learner 0's report was accepted; it reports again on the same generation",
+            reported,
+            (0, 1),
+            budget_done(100)[0],
+            "fatal",
+            "Normal",
+            code="DUPLICATE_BUDGET_DONE",
+        ),
+        session_test(
+            "learner 0's report was accepted, then its group closed; generation 2 reports again",
+            [*reported, close_event(0, 1), member_hello(0, 2)],
+            (0, 2),
+            budget_done(100)[0],
+            "fatal",
+            "NewGeneration",
+            code="DUPLICATE_BUDGET_DONE",
+        ),
+    ]
+    return vector_file(
+        "syncer_session",
+        [
+            "Syncer session rules (spec/syncer.md § 1, § 12; spec/closure.md § 2): a syncer with",
+            "the context's settings runs the script's events in order (every one is handled",
+            "normally, as in push_acceptance.json), then receives frame from sender: accepted",
+            "(it takes effect), ignored (nothing changes), or fatal with code (ERROR on the",
+            "sender's group, which closes). Time stands still.",
+        ],
+        [syncer_session_group(PUSH_SYNCER, rules), syncer_session_group(BUDGET_SYNCER, budgeted)],
+    )
+
+
+def syncer_session_group(syncer: Profile, tests: list[Json]) -> Json:
+    return {
+        "type": "SyncerSessionTest",
+        "context": {"syncer_profile": syncer.as_json()},
+        "tests": tests,
+    }
+
+
 # -- identity ------------------------------------------------------------------------------------
 
 NAMED_LAYOUTS: list[tuple[str, NamedLayout, tuple[str, ...]]] = [
@@ -4390,6 +4610,7 @@ FILES: dict[str, Callable[[], Json]] = {
     "hello_variants.json": hello_variants_file,
     "admission.json": admission_file,
     "push_acceptance.json": push_acceptance_file,
+    "syncer_session.json": syncer_session_file,
     "data_hello.json": data_hello_file,
     "init_params.json": init_params_file,
     "pull_req.json": pull_req_file,

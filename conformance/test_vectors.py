@@ -928,26 +928,21 @@ def rejected_tape(actions: list[Action]) -> list[dict[str, Any]]:
     ]
 
 
-@params(cases("PushAcceptanceTest"))
-def test_push_acceptance(case: Case) -> None:
-    """Run ``script`` through the coordinator (all at time 0), then ``push`` from ``sender``:
-    accepted (with ``staleness``), rejected on the tape with ``code``, or fatal ``code``."""
-    assert case.settings is not None
-    config = profile_config(case.settings["syncer_profile"])
+def run_script(config: SyncerConfig, script: list[Json]) -> Coordinator:
+    """A coordinator that has handled ``script`` (all at time 0), each event normally."""
     coordinator = Coordinator(config)
-    now = 0.0
     timers: dict[str, str] = {}  # "quorum:<step>" -> the latest quorum timer key of that step
     conn = 0
-    for event in case.test["script"]:
+    for event in script:
         match event["event"]:
             case "hello":
                 conn += 1
                 hello = decode_first_hello(bytes.fromhex(event["hex"]), config.learners)
                 assert hello.num_streams == 0
                 key = GroupKey(hello.learner_id, hello.generation)
-                actions = coordinator.handle(HelloReceived(conn, hello), now)
+                actions = coordinator.handle(HelloReceived(conn, hello), 0.0)
                 assert refusal_code(actions, conn) is None, actions
-                actions += coordinator.handle(GroupReady(key), now)
+                actions += coordinator.handle(GroupReady(key), 0.0)
             case "frame":
                 session = coordinator.session
                 assert session is not None
@@ -957,12 +952,12 @@ def test_push_acceptance(case: Case) -> None:
                     config.learners,
                 )
                 key = GroupKey(event["id"], event["generation"])
-                actions = coordinator.handle(MessageReceived(key, message), now)
+                actions = coordinator.handle(MessageReceived(key, message), 0.0)
             case "close":
                 key = GroupKey(event["id"], event["generation"])
-                actions = coordinator.handle(GroupClosed(key, "closed by the vector"), now)
+                actions = coordinator.handle(GroupClosed(key, "closed by the vector"), 0.0)
             case "quorum_deadline":
-                actions = coordinator.handle(TimerFired(timers[f"quorum:{event['step']}"]), now)
+                actions = coordinator.handle(TimerFired(timers[f"quorum:{event['step']}"]), 0.0)
             case other:
                 raise AssertionError(f"unknown script event {other}")
         assert not any(isinstance(a, CloseGroup | RefuseConnection | Exit) for a in actions), (
@@ -973,7 +968,17 @@ def test_push_acceptance(case: Case) -> None:
         for action in actions:
             if isinstance(action, SetTimer) and action.key.startswith("quorum:"):
                 timers[action.key.rsplit(":", 1)[0]] = action.key
+    return coordinator
 
+
+@params(cases("PushAcceptanceTest"))
+def test_push_acceptance(case: Case) -> None:
+    """Run ``script`` through the coordinator (all at time 0), then ``push`` from ``sender``:
+    accepted (with ``staleness``), rejected on the tape with ``code``, or fatal ``code``."""
+    assert case.settings is not None
+    config = profile_config(case.settings["syncer_profile"])
+    coordinator = run_script(config, case.test["script"])
+    now = 0.0
     sender = GroupKey(case.test["sender"]["id"], case.test["sender"]["generation"])
     assert coordinator.registry.is_open(sender)
     session = coordinator.session
@@ -1011,3 +1016,64 @@ def test_push_acceptance(case: Case) -> None:
     accepted = [a for a in actions if isinstance(a, Log) and a.text == "PUSH accepted"]
     assert len(accepted) == 1, actions
     assert accepted[0].fields["staleness"] == case.test["staleness"]
+
+
+# -- syncer session rules ------------------------------------------------------------------------
+
+
+def held_fragments(coordinator: Coordinator) -> list[tuple[int, bytes | None, bytes | None]]:
+    """Each fragment's version, params and momentum (bytes; ``None`` while not held)."""
+    model = coordinator.model
+    if model is None:
+        return []
+    return [
+        (
+            slot.version,
+            None if slot.params is None else slot.params.tobytes(),
+            None if slot.momentum is None else slot.momentum.tobytes(),
+        )
+        for slot in model.fragments
+    ]
+
+
+@params(cases("SyncerSessionTest"))
+def test_syncer_session(case: Case) -> None:
+    """Run ``script`` through the coordinator, then ``frame`` from ``sender``: accepted (it
+    takes effect), ignored (nothing changes), or fatal ``code`` (the sender's group closes)."""
+    assert case.settings is not None
+    config = profile_config(case.settings["syncer_profile"])
+    coordinator = run_script(config, case.test["script"])
+    sender = GroupKey(case.test["sender"]["id"], case.test["sender"]["generation"])
+    assert coordinator.registry.is_open(sender)
+    session = coordinator.session
+    assert session is not None
+    message = decode_on_group(
+        bytes.fromhex(case.test["frame"]), Limits.of(session.dtype, session.layout), config.learners
+    )
+    before = held_fragments(coordinator)
+    actions = coordinator.handle(MessageReceived(sender, message), 0.0)
+    closes = [a for a in actions if isinstance(a, CloseGroup)]
+    if case.result == "fatal":
+        assert len(closes) == 1 and closes[0].group == sender, actions
+        assert closes[0].error is not None
+        assert closes[0].error.text.split(":", 1)[0] == case.code
+        assert not coordinator.registry.is_open(sender)
+        assert not any(isinstance(a, AppendTape | Exit) for a in actions), actions
+        assert held_fragments(coordinator) == before, "a refused frame changes no fragment"
+        return
+    assert not closes and not any(isinstance(a, Exit) for a in actions), actions
+    assert coordinator.registry.is_open(sender), "the connection stays open"
+    if case.result == "ignored":
+        assert not any(isinstance(a, AppendTape | Send) for a in actions), actions
+        assert held_fragments(coordinator) == before, "an ignored frame changes nothing"
+        return
+    assert case.result == "accepted"
+    assert isinstance(message, InitParams), "accepted vectors are INIT_PARAMS"
+    after = held_fragments(coordinator)
+    fragment = message.fragment_id
+    assert before[fragment][1] is None, "the fragment was not held before"
+    values = np.frombuffer(bytes(message.data), dtype="<f4")
+    assert after[fragment] == (0, values.tobytes(), np.zeros_like(values).tobytes())
+    assert [a for i, a in enumerate(after) if i != fragment] == [
+        b for i, b in enumerate(before) if i != fragment
+    ]
