@@ -26,7 +26,7 @@ from .constants import (
 )
 from .decoder import check_header
 from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError
-from .frames import Buffers, decode_payload, header
+from .frames import Buffers, decode_payload, frame_length, header
 from .limits import Limits
 from .messages import AnyMessage, Chunk, as_byte_view
 from .schema import CHUNK_PREFIX, HEADER_STRUCT, PREFIX_STRUCTS
@@ -88,11 +88,11 @@ class ChunkSlicer:
         Touches neither the message count nor the round-robin: a sender that replaces a queued,
         unstarted message by one of the same size reuses the old one's id and slots.
         """
-        total = sum(len(as_byte_view(b)) for b in inner_frame)
+        total = frame_length(inner_frame)
         out: list[Buffers] = []
         for offset in range(0, total, self.slice_size):
             part = _views(inner_frame, offset, min(offset + self.slice_size, total))
-            size = sum(len(v) for v in part)
+            size = frame_length(part)
             head = header(FrameType.CHUNK, CHUNK_ENVELOPE_SIZE + size) + CHUNK_PREFIX.pack(
                 msg_id, total, offset
             )

@@ -7,6 +7,7 @@ payload into a message; tensor bytes stay views into the received buffer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from construct import ConstructError, StreamError, TerminatedError
@@ -150,6 +151,11 @@ def encode(message: AnyMessage, *, hello_key: bytes | None = None) -> Buffers:
     data = message.data
     head = header(frame_type, prefix.size + len(data)) + prefix.pack(*values)
     return [head, data] if len(data) else [head]
+
+
+def frame_length(frame: Sequence[bytes | memoryview]) -> int:
+    """Bytes in ``frame`` (a list of buffers, as :func:`encode` and the CHUNK slicer give)."""
+    return sum(memoryview(b).nbytes for b in frame)
 
 
 class OutgoingBuffers:

@@ -43,7 +43,7 @@ from yeto_proto import (
     encode,
 )
 from yeto_proto.constants import CHUNK_SLICE_SIZE, STRIPED_TYPES
-from yeto_proto.frames import Buffers, OutgoingBuffers
+from yeto_proto.frames import Buffers, OutgoingBuffers, frame_length
 from yeto_sync.receive_watermark import READ_WATERMARK_CAP, ReceiveWatermark
 
 RECV_BUFFER_SIZE = 1 << 20
@@ -198,7 +198,8 @@ class ConnectionGroup:
             self._counters.frames_dropped += 1
             return
         frame = encode(message)
-        if isinstance(message, PushFragment) and self._replace_queued_push(message, frame):
+        size = frame_length(frame)
+        if isinstance(message, PushFragment) and self._replace_queued_push(message, frame, size):
             return
         msg_id: int | None = None
         if self._slicer is None or message.TYPE not in STRIPED_TYPES:
@@ -208,10 +209,9 @@ class ConnectionGroup:
             msg_id = self._slicer.next_msg_id - 1
             frames = [self._streams[1 + piece.stream_idx].put(piece.buffers) for piece in pieces]
         if isinstance(message, PushFragment):
-            size = sum(len(memoryview(b)) for b in frame)
             self._pushes[message.fragment_id] = _QueuedPush(frames, msg_id, size)
 
-    def _replace_queued_push(self, push: PushFragment, frame: Buffers) -> bool:
+    def _replace_queued_push(self, push: PushFragment, frame: Buffers, size: int) -> bool:
         """Put ``push`` in the place of an older PUSH of its fragment that has not started.
 
         Rounds in flight target distinct fragments, so a newer PULL of a fragment means the
@@ -221,7 +221,7 @@ class ConnectionGroup:
         message id too (same fragment, same size, same slices): the ids stay a gapless count.
         """
         older = self._pushes.pop(push.fragment_id, None)
-        if older is None or older.started or older.size != sum(len(memoryview(b)) for b in frame):
+        if older is None or older.started or older.size != size:
             return False
         if older.msg_id is None:
             (slot,) = older.frames

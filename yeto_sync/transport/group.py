@@ -56,7 +56,7 @@ from yeto_proto import (
     encode,
 )
 from yeto_proto.constants import ERROR_TEXT_LIMIT, STRIPED_TYPES
-from yeto_proto.frames import Buffers
+from yeto_proto.frames import Buffers, frame_length
 
 from ..events import (
     ConnId,
@@ -138,7 +138,7 @@ class Transmit:
 
     @property
     def size(self) -> int:
-        return sum(len(memoryview(b)) for b in self.buffers)
+        return frame_length(self.buffers)
 
 
 def _writable_part(
@@ -435,14 +435,14 @@ class ConnectionGroups:
             parts = [(group.data[s.stream_idx], s.buffers, 1) for s in group.slicer.slice(frame)]
         if progress is None:
             return [Transmit(conn, buffers) for conn, buffers, _ in parts]
-        total = sum(len(memoryview(b)) for b in frame)
+        total = frame_length(frame)
         if progress.total > total:
             raise ValueError("a payload cannot be longer than its frame")
         payload_at = total - progress.total
         transmits, start = [], 0
         for conn, buffers, heads in parts:  # a CHUNK's first buffer is its own envelope
-            envelope = sum(len(memoryview(b)) for b in buffers[:heads])
-            stop = start + sum(len(memoryview(b)) for b in buffers[heads:])
+            envelope = frame_length(buffers[:heads])
+            stop = start + frame_length(buffers[heads:])
             writable = _writable_part(progress, payload_at, start, stop, envelope)
             transmits.append(Transmit(conn, buffers, writable, progress))
             start = stop
