@@ -3873,14 +3873,14 @@ def member_hello(learner_id: int, generation: int) -> Json:
     return {"event": "hello", "hex": frame(HELLO, fields.payload()).hex()}
 
 
+def frame_event(learner_id: int, generation: int, built: bytes) -> Json:
+    """A script event: the frame ``built`` from that learner's connection."""
+    return {"event": "frame", "id": learner_id, "generation": generation, "hex": built.hex()}
+
+
 def init_event(fragment_id: int) -> Json:
     data = S_F32.bulk(fragment_id, f"push acceptance: INIT of fragment {fragment_id}")
-    return {
-        "event": "frame",
-        "id": 0,
-        "generation": 1,
-        "hex": init_params(fragment_id, data)[0].hex(),
-    }
+    return frame_event(0, 1, init_params(fragment_id, data)[0])
 
 
 def acceptance_push(
@@ -3918,12 +3918,9 @@ def acceptance_push(
 
 
 def push_event(learner_id: int, generation: int, step: int, **kwargs: Any) -> Json:
-    return {
-        "event": "frame",
-        "id": learner_id,
-        "generation": generation,
-        "hex": acceptance_push(learner_id, generation, step, **kwargs).hex(),
-    }
+    return frame_event(
+        learner_id, generation, acceptance_push(learner_id, generation, step, **kwargs)
+    )
 
 
 def close_event(learner_id: int, generation: int) -> Json:
@@ -3945,6 +3942,30 @@ def commit(step: int) -> list[Json]:
 START = [member_hello(0, 1), member_hello(1, 1), init_event(0), init_event(1)]
 
 
+def scripted_test(
+    comment: str,
+    script: list[Json],
+    sender: tuple[int, int],
+    field: str,
+    built: bytes,
+    outcome: str,
+    flags: tuple[str, ...],
+    code: str | None,
+) -> Json:
+    """A test that runs ``script``, then sends ``built`` (under ``field``) from ``sender``."""
+    test: Json = {
+        "comment": comment,
+        "flags": list(flags),
+        "script": script,
+        "sender": {"id": sender[0], "generation": sender[1]},
+        field: built.hex(),
+        "result": outcome,
+    }
+    if code is not None:
+        test["code"] = code
+    return test
+
+
 def acceptance(
     comment: str,
     script: list[Json],
@@ -3955,16 +3976,7 @@ def acceptance(
     code: str | None = None,
     staleness: int | None = None,
 ) -> Json:
-    test: Json = {
-        "comment": comment,
-        "flags": list(flags),
-        "script": script,
-        "sender": {"id": sender[0], "generation": sender[1]},
-        "push": push.hex(),
-        "result": outcome,
-    }
-    if code is not None:
-        test["code"] = code
+    test = scripted_test(comment, script, sender, "push", push, outcome, flags, code)
     if staleness is not None:
         test["staleness"] = staleness
     return test
@@ -4254,10 +4266,6 @@ def session_init(fragment_id: int, seed: str, *, nan: bool = False) -> bytes:
     return init_params(fragment_id, data)[0]
 
 
-def session_event(learner_id: int, generation: int, built: bytes) -> Json:
-    return {"event": "frame", "id": learner_id, "generation": generation, "hex": built.hex()}
-
-
 def session_test(
     comment: str,
     script: list[Json],
@@ -4267,23 +4275,13 @@ def session_test(
     *flags: str,
     code: str | None = None,
 ) -> Json:
-    test: Json = {
-        "comment": comment,
-        "flags": list(flags),
-        "script": script,
-        "sender": {"id": sender[0], "generation": sender[1]},
-        "frame": built.hex(),
-        "result": outcome,
-    }
-    if code is not None:
-        test["code"] = code
-    return test
+    return scripted_test(comment, script, sender, "frame", built, outcome, flags, code)
 
 
 def syncer_session_file() -> Json:
     both = [member_hello(0, 1), member_hello(1, 1)]
     reconnected = [*both, close_event(0, 1), member_hello(0, 2)]
-    reported = [*START, session_event(0, 1, budget_done(100)[0])]
+    reported = [*START, frame_event(0, 1, budget_done(100)[0])]
     rules = [
         session_test(
             "learner 0 initializes fragment 0; both learners connected, nothing held yet",

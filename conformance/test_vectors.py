@@ -971,33 +971,46 @@ def run_script(config: SyncerConfig, script: list[Json]) -> Coordinator:
     return coordinator
 
 
-@params(cases("PushAcceptanceTest"))
-def test_push_acceptance(case: Case) -> None:
-    """Run ``script`` through the coordinator (all at time 0), then ``push`` from ``sender``:
-    accepted (with ``staleness``), rejected on the tape with ``code``, or fatal ``code``."""
+def scripted_case(case: Case, field: str) -> tuple[Coordinator, GroupKey, AnyMessage]:
+    """The coordinator after the case's ``script`` (all at time 0), the sender's group, and the
+    frame under ``field`` decoded as that group's decoder would."""
     assert case.settings is not None
     config = profile_config(case.settings["syncer_profile"])
     coordinator = run_script(config, case.test["script"])
-    now = 0.0
     sender = GroupKey(case.test["sender"]["id"], case.test["sender"]["generation"])
     assert coordinator.registry.is_open(sender)
     session = coordinator.session
     assert session is not None
-    push = decode_on_group(
-        bytes.fromhex(case.test["push"]), Limits.of(session.dtype, session.layout), config.learners
+    message = decode_on_group(
+        bytes.fromhex(case.test[field]), Limits.of(session.dtype, session.layout), config.learners
     )
-    assert isinstance(push, PushFragment)
-    actions = coordinator.handle(MessageReceived(sender, push), now)
+    return coordinator, sender, message
+
+
+def assert_closed_with(
+    coordinator: Coordinator, actions: list[Action], sender: GroupKey, code: str | None
+) -> None:
+    """Exactly the sender's group closed, with an ERROR naming ``code``."""
     closes = [a for a in actions if isinstance(a, CloseGroup)]
+    assert len(closes) == 1 and closes[0].group == sender, actions
+    assert closes[0].error is not None
+    assert closes[0].error.text.split(":", 1)[0] == code
+    assert not coordinator.registry.is_open(sender)
+
+
+@params(cases("PushAcceptanceTest"))
+def test_push_acceptance(case: Case) -> None:
+    """Run ``script`` through the coordinator (all at time 0), then ``push`` from ``sender``:
+    accepted (with ``staleness``), rejected on the tape with ``code``, or fatal ``code``."""
+    coordinator, sender, push = scripted_case(case, "push")
+    assert isinstance(push, PushFragment)
+    actions = coordinator.handle(MessageReceived(sender, push), 0.0)
     tape_lines = rejected_tape(actions)
     if case.result == "fatal":
         assert not tape_lines, actions
-        assert len(closes) == 1 and closes[0].group == sender, actions
-        assert closes[0].error is not None
-        assert closes[0].error.text.split(":", 1)[0] == case.code
-        assert not coordinator.registry.is_open(sender)
+        assert_closed_with(coordinator, actions, sender, case.code)
         return
-    assert not closes, actions
+    assert not any(isinstance(a, CloseGroup) for a in actions), actions
     assert coordinator.registry.is_open(sender), "the connection stays open"
     if case.result == "rejected":
         assert len(tape_lines) == 1, actions
@@ -1040,28 +1053,15 @@ def held_fragments(coordinator: Coordinator) -> list[tuple[int, bytes | None, by
 def test_syncer_session(case: Case) -> None:
     """Run ``script`` through the coordinator, then ``frame`` from ``sender``: accepted (it
     takes effect), ignored (nothing changes), or fatal ``code`` (the sender's group closes)."""
-    assert case.settings is not None
-    config = profile_config(case.settings["syncer_profile"])
-    coordinator = run_script(config, case.test["script"])
-    sender = GroupKey(case.test["sender"]["id"], case.test["sender"]["generation"])
-    assert coordinator.registry.is_open(sender)
-    session = coordinator.session
-    assert session is not None
-    message = decode_on_group(
-        bytes.fromhex(case.test["frame"]), Limits.of(session.dtype, session.layout), config.learners
-    )
+    coordinator, sender, message = scripted_case(case, "frame")
     before = held_fragments(coordinator)
     actions = coordinator.handle(MessageReceived(sender, message), 0.0)
-    closes = [a for a in actions if isinstance(a, CloseGroup)]
     if case.result == "fatal":
-        assert len(closes) == 1 and closes[0].group == sender, actions
-        assert closes[0].error is not None
-        assert closes[0].error.text.split(":", 1)[0] == case.code
-        assert not coordinator.registry.is_open(sender)
+        assert_closed_with(coordinator, actions, sender, case.code)
         assert not any(isinstance(a, AppendTape | Exit) for a in actions), actions
         assert held_fragments(coordinator) == before, "a refused frame changes no fragment"
         return
-    assert not closes and not any(isinstance(a, Exit) for a in actions), actions
+    assert not any(isinstance(a, CloseGroup | Exit) for a in actions), actions
     assert coordinator.registry.is_open(sender), "the connection stays open"
     if case.result == "ignored":
         assert not any(isinstance(a, AppendTape | Send) for a in actions), actions
