@@ -12,7 +12,6 @@ naming the file, the section and the reason); 141 when the reader of stdout went
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TypeAlias
@@ -20,6 +19,7 @@ from typing import TypeAlias
 from yeto_proto.errors import ProtocolError
 
 from . import bench_closure, checkpoint_cli, launch
+from .process_control import divert_closed_stdout
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -61,10 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except BrokenPipeError:
-        # Whoever read stdout went away (`yeto checkpoint inspect … | head -1`): stop quietly,
-        # and keep the interpreter's final flush from failing on the closed pipe as well.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        # Whoever read stdout went away (`yeto checkpoint inspect … | head -1`): stop quietly.
+        divert_closed_stdout()
         return EXIT_BROKEN_PIPE
 
 

@@ -30,7 +30,7 @@ from typing import IO, TYPE_CHECKING, Any
 from yeto_proto.checkpoint import write_bytes_atomically
 
 from .artifact_files import LAYOUT_FILE, STATE_FILE
-from .process_control import Stopped, parent_death_signal, signals_raise
+from .process_control import Stopped, divert_closed_stdout, parent_death_signal, signals_raise
 
 if TYPE_CHECKING:
     from .cli import Commands
@@ -372,8 +372,7 @@ def say(text: str) -> None:
             return
         except BrokenPipeError:
             _stdout_gone = True
-            # The interpreter's last flush would fail on the pipe as well.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            divert_closed_stdout()
     print(text, file=sys.stderr, flush=True)
 
 

@@ -81,3 +81,15 @@ def signals_raise(command: str) -> Iterator[None]:
     finally:
         for s, old in previous.items():
             signal.signal(s, old)
+
+
+def divert_closed_stdout() -> None:
+    """Point stdout at the null device once its reader went away (``… | head -1``).
+
+    Later writes, and the interpreter's last flush, would fail on the closed pipe as well.
+    """
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, sys.stdout.fileno())
+    finally:
+        os.close(null)
