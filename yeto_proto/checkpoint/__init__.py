@@ -29,7 +29,13 @@ from .model import (
     iso_backend_name,
 )
 from .reader import read_checkpoint
-from .resume import ResumeDecision, refusal_before_hello, resume_decision, scheduled_version
+from .resume import (
+    ResumeDecision,
+    refusal_before_hello,
+    refusal_for_session,
+    resume_decision,
+    scheduled_version,
+)
 from .schema import CONTRACT_TAG
 from .writer import CheckpointWriter, write_checkpoint
 
@@ -60,6 +66,7 @@ __all__ = [
     "parse_final_marker",
     "read_checkpoint",
     "refusal_before_hello",
+    "refusal_for_session",
     "resume_decision",
     "scheduled_version",
     "verify_identity",

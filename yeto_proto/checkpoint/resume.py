@@ -39,10 +39,6 @@ def scheduled_version(fragment: int, global_step: int, num_fragments: int) -> in
     return first_round + (global_step - first_round) // num_fragments * num_fragments
 
 
-def _refuse(reason: str) -> ResumeDecision:
-    return ResumeDecision(eligible=False, reason=reason)
-
-
 def refusal_before_hello(checkpoint: Checkpoint, iso_backend: IsoBackend) -> str | None:
     """Checks 1 to 4, which need no HELLO: the reason this syncer can never resume it, or None.
 
@@ -82,40 +78,56 @@ def resume_decision(
     session_contract: bytes,
 ) -> ResumeDecision:
     """Decide whether ``checkpoint`` may seed a session with this backend, HELLO and contract."""
-    fmt = checkpoint.format
-    refusal = refusal_before_hello(checkpoint, iso_backend)
+    refusal = refusal_before_hello(checkpoint, iso_backend) or refusal_for_session(
+        checkpoint,
+        fingerprint=fingerprint,
+        wire_layout=wire_layout,
+        session_contract=session_contract,
+    )
     if refusal is not None:
-        return _refuse(refusal)
+        return ResumeDecision(eligible=False, reason=refusal)
+    return ResumeDecision(
+        eligible=True,
+        reason=f"{checkpoint.format.name} checkpoint at global_step {checkpoint.global_step} "
+        "matches backend, schedule, identity, layout and contract",
+    )
+
+
+def refusal_for_session(
+    checkpoint: Checkpoint,
+    *,
+    fingerprint: bytes,
+    wire_layout: WireLayout,
+    session_contract: bytes,
+) -> str | None:
+    """Checks 5 to 7, which need the HELLO: why it cannot continue this session, or None.
+
+    Only meaningful for a checkpoint :func:`refusal_before_hello` accepted (a syncer runs that
+    once, at start, and this at each HELLO until one passes).
+    """
+    fmt = checkpoint.format
     if fmt is CheckpointFormat.V3:
         if checkpoint.fingerprint != fingerprint:
-            return _refuse("V3 layout fingerprint differs from the accepted HELLO fingerprint")
+            return "V3 layout fingerprint differs from the accepted HELLO fingerprint"
     else:
         grouped = [i for i, f in enumerate(wire_layout.fragments) if len(f.numels) != 1]
         if grouped:
-            return _refuse(
+            return (
                 f"V2 records no fingerprint; fragment {grouped[0]} groups "
                 f"{len(wire_layout.fragments[grouped[0]].numels)} tensors, so resume fails closed"
             )
         if checkpoint.fingerprint is not None and checkpoint.fingerprint != fingerprint:
-            return _refuse("V2 fingerprint trailer differs from the accepted HELLO fingerprint")
+            return "V2 fingerprint trailer differs from the accepted HELLO fingerprint"
 
     if checkpoint.num_fragments != len(wire_layout):
-        return _refuse(
-            f"checkpoint has {checkpoint.num_fragments} fragments, the layout {len(wire_layout)}"
-        )
+        return f"checkpoint has {checkpoint.num_fragments} fragments, the layout {len(wire_layout)}"
     for index, (have, want) in enumerate(zip(checkpoint.numels, wire_layout.numels, strict=True)):
         if have != want:
-            return _refuse(f"fragment {index} has numel {have} in the checkpoint, {want} in HELLO")
+            return f"fragment {index} has numel {have} in the checkpoint, {want} in HELLO"
 
     if checkpoint.contract is None:
         if fmt is CheckpointFormat.V3:
-            return _refuse(
-                "the V3 checkpoint carries no session contract, so continuation is unproven"
-            )
+            return "the V3 checkpoint carries no session contract, so continuation is unproven"
     elif checkpoint.contract != session_contract:
-        return _refuse("session contract differs from the checkpoint's")
-    return ResumeDecision(
-        eligible=True,
-        reason=f"{fmt.name} checkpoint at global_step {checkpoint.global_step} matches "
-        "backend, schedule, identity, layout and contract",
-    )
+        return "session contract differs from the checkpoint's"
+    return None

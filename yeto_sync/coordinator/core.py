@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from yeto_proto.checkpoint import Checkpoint, refusal_before_hello, resume_decision
+from yeto_proto.checkpoint import Checkpoint, refusal_before_hello, refusal_for_session
 from yeto_proto.constants import IsoBackend, WireDtype
 from yeto_proto.errors import ErrorCode, ProtocolError
 from yeto_proto.limits import Limits
@@ -288,19 +288,19 @@ class Coordinator:
         """First accepted HELLO: check resume eligibility, then fix the session."""
         checkpoint = self._checkpoint
         if checkpoint is not None:
-            decision = resume_decision(
+            # Checks 1 to 4 passed when the coordinator was built (refusal_before_hello).
+            reason = refusal_for_session(
                 checkpoint,
-                iso_backend=self._solver.backend,
                 fingerprint=bytes(hello.layout_fingerprint),
                 wire_layout=hello.layout,
                 session_contract=bytes(hello.session_contract),
             )
-            if not decision.eligible:
+            if reason is not None:
                 # This peer's session is not the checkpoint's: refuse it and keep waiting for
                 # one that is. A stray learner of another run must not end a resumed run.
                 refusal = Refusal(
                     ErrorCode.CKPT_RESUME_INELIGIBLE,
-                    f"the syncer's checkpoint cannot resume this session: {decision.reason}",
+                    f"the syncer's checkpoint cannot resume this session: {reason}",
                 )
                 out.append(RefuseConnection(conn, refusal.error()))
                 out.append(
