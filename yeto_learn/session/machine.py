@@ -516,10 +516,15 @@ def _checked_local(values: object, fragment_id: int, numel: int) -> NDArray[np.f
     return values
 
 
-def _check_finite(values: NDArray[np.float32], what: str) -> None:
-    # The syncer rejects non-finite INIT and PUSH values and disconnects; fail here instead.
+def _check_finite(
+    values: NDArray[np.float32],
+    what: str,
+    error: type[LocalProtocolError | RemoteProtocolError] = LocalProtocolError,
+) -> None:
+    """``NON_FINITE_VALUE`` unless every value is finite: ours (``LocalProtocolError``, what we
+    would send: the syncer rejects it and drops us) or the syncer's (what it sent)."""
     if not all_finite(values):
-        raise LocalProtocolError(ErrorCode.NON_FINITE_VALUE, f"{what} is not finite")
+        raise error(ErrorCode.NON_FINITE_VALUE, f"{what} is not finite")
 
 
 def _finite_from_syncer(
@@ -527,10 +532,6 @@ def _finite_from_syncer(
 ) -> NDArray[np.float32]:
     """The tensor the syncer sent; a NaN or infinity is its violation, never blended in."""
     values = decode_tensor(message.data, dtype, numel, push=False)
-    if not all_finite(values):
-        raise RemoteProtocolError(
-            ErrorCode.NON_FINITE_VALUE,
-            f"{message.TYPE.name} of fragment {message.fragment_id} at version "
-            f"{message.version} holds NaN or infinity",
-        )
+    what = f"{message.TYPE.name} of fragment {message.fragment_id} at version {message.version}"
+    _check_finite(values, what, RemoteProtocolError)
     return values
