@@ -2591,6 +2591,8 @@ def chunk_sequences_file() -> Json:
     ]
     first_half = chunk(0, 73, 0, push_inner[:40])[0].hex()
 
+    whole_init = chunk(0, 25, 0, init_inner)[0].hex()
+
     def bad_inner(mutated: bytes, total: int | None = None) -> list[str]:
         return [chunk(0, len(mutated) if total is None else total, 0, mutated)[0].hex()]
 
@@ -2707,9 +2709,85 @@ def chunk_sequences_file() -> Json:
         ),
         sequence(
             "a CHUNK of a message that already completed (msg_ids are never reused)",
-            [chunk(0, 25, 0, init_inner)[0].hex(), chunk(0, 25, 0, init_inner[:10])[0].hex()],
+            [whole_init, chunk(0, 25, 0, init_inner[:10])[0].hex()],
             code="CHUNK_OVERLAP",
             completed_before_error=[init_json],
+        ),
+    ]
+    # Several rules broken at once: the order of spec/striping.md § 4 decides the code.
+    check_order = [
+        sequence(
+            "an empty CHUNK at an offset past total_len: empty (rule 1) before out of bounds",
+            [frame(CHUNK, struct.pack("<QQQ", 0, 73, 80)).hex()],
+            "CheckOrder",
+            code="CHUNK_EMPTY",
+        ),
+        sequence(
+            "a first CHUNK past the end of a total_len over the inner limit: out of bounds "
+            "(rule 2) before too large (rule 3)",
+            [chunk(0, 74, 70, push_inner[:16])[0].hex()],
+            "CheckOrder",
+            code="CHUNK_OUT_OF_BOUNDS",
+        ),
+        sequence(
+            "a completed msg_id again, past the end of its total_len: out of bounds (rule 2) "
+            "before the completed id",
+            [whole_init, chunk(0, 25, 20, init_inner[:10])[0].hex()],
+            "CheckOrder",
+            code="CHUNK_OUT_OF_BOUNDS",
+            completed_before_error=[init_json],
+        ),
+        sequence(
+            "a completed msg_id again, with a total_len over the inner limit: the completed id "
+            "(an overlap) before too large (rule 3)",
+            [whole_init, chunk(0, 74, 0, push_inner[:16])[0].hex()],
+            "CheckOrder",
+            code="CHUNK_OVERLAP",
+            completed_before_error=[init_json],
+        ),
+        sequence(
+            "a completed msg_id again, with another total_len: an overlap, not a changed total "
+            "(nothing of the message is kept)",
+            [whole_init, chunk(0, 30, 0, init_inner[:10])[0].hex()],
+            "CheckOrder",
+            code="CHUNK_OVERLAP",
+            completed_before_error=[init_json],
+        ),
+        sequence(
+            "64 partial messages open, then a first CHUNK over the inner limit: too large "
+            "(rule 3) before too many partials (rule 5)",
+            sixty_four[:MAX_PARTIALS] + [chunk(MAX_PARTIALS, 74, 0, push_inner[:16])[0].hex()],
+            "CheckOrder",
+            code="CHUNK_TOTAL_TOO_LARGE",
+        ),
+        sequence(
+            "64 partial messages open, then a first CHUNK of total_len 12: shorter than a "
+            "header (rule 4) before too many partials (rule 5)",
+            sixty_four[:MAX_PARTIALS] + [chunk(MAX_PARTIALS, 12, 0, push_inner[:12])[0].hex()],
+            "CheckOrder",
+            code="BAD_INNER_FRAME",
+        ),
+        sequence(
+            "a later CHUNK repeating received bytes under another total_len: changed total "
+            "(rule 7) before overlap (rule 8)",
+            [first_half, chunk(0, 72, 0, push_inner[:40])[0].hex()],
+            "CheckOrder",
+            code="CHUNK_TOTAL_CHANGED",
+        ),
+        sequence(
+            "a later CHUNK ending at 78, within its own total_len 80 but past the message's "
+            "73: rule 2 reads the CHUNK's total_len, rule 7 refuses it",
+            [first_half, chunk(0, 80, 70, bytes(8))[0].hex()],
+            "CheckOrder",
+            code="CHUNK_TOTAL_CHANGED",
+        ),
+        sequence(
+            "a later CHUNK with total_len 2^64-1: changed total (rule 7); the inner limit "
+            "(rule 3) is checked on first CHUNKs only",
+            [first_half, chunk(0, U64_MAX, 40, push_inner[40:])[0].hex()],
+            "CheckOrder",
+            "HugeLength",
+            code="CHUNK_TOTAL_CHANGED",
         ),
     ]
     bcast_inner, bcast_json = versioned_fragment(
@@ -2765,6 +2843,19 @@ def chunk_sequences_file() -> Json:
             "Limit",
             code="CHUNK_TOO_FRAGMENTED",
         ),
+        sequence(
+            "4,096 separate one-byte ranges (the most), a CHUNK extending the last of them "
+            "(no new range: accepted), then a duplicate: overlap (rule 8) before the range "
+            "count (rule 9)",
+            one_byte_ranges[:-1]
+            + [
+                chunk(0, len(wide_inner), 8191, wide_inner[8191:8192])[0].hex(),
+                one_byte_ranges[0],
+            ],
+            "CheckOrder",
+            "Limit",
+            code="CHUNK_OVERLAP",
+        ),
     ]
     return vector_file(
         "chunk_sequences",
@@ -2777,7 +2868,7 @@ def chunk_sequences_file() -> Json:
             {
                 "type": "ChunkSequenceTest",
                 "context": S_BF16.context("syncer", num_learners=4),
-                "tests": syncer_valid + syncer_invalid,
+                "tests": syncer_valid + syncer_invalid + check_order,
             },
             {
                 "type": "ChunkSequenceTest",
