@@ -2501,6 +2501,7 @@ def sequence(
     decoded: list[Json] | None = None,
     code: str | None = None,
     slice_size: int | None = None,
+    num_data_streams: int = 2,
     completed_before_error: list[Json] | None = None,
 ) -> Json:
     test: Json = {"comment": comment, "flags": list(flags), "chunks": chunks}
@@ -2514,7 +2515,10 @@ def sequence(
         if completed_before_error is not None:
             test["completed_before_error"] = completed_before_error
     if slice_size is not None:
+        # Round-robin over the data streams, continuing across messages (spec/striping.md § 3).
         test["slice_size"] = slice_size
+        test["num_data_streams"] = num_data_streams
+        test["streams"] = [i % num_data_streams for i in range(len(chunks))]
     return test
 
 
@@ -2574,6 +2578,15 @@ def chunk_sequences_file() -> Json:
             "Interleaved",
             "OutOfOrder",
             decoded=[init_json, push_json],
+        ),
+        sequence(
+            "two messages from a fresh sender over 3 data streams: the PUSH's 5 CHUNKs on "
+            "streams 0, 1, 2, 0, 1, the INIT's 2 go on from there, on 2 and 0",
+            chunks_of(0, push_inner, parts) + chunks_of(1, init_inner, slices(init_inner, 16)),
+            "Normal",
+            decoded=[push_json, init_json],
+            slice_size=16,
+            num_data_streams=3,
         ),
         sequence(
             "msg_id 2^64-1",

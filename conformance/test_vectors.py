@@ -667,11 +667,14 @@ def test_chunk_sequence(case: Case) -> None:
 
 @params([c for c in CHUNK_SEQUENCES if "slice_size" in c.test])
 def test_chunk_sequence_is_what_a_sender_emits(case: Case) -> None:
-    (decoded,) = case.test["decoded"]
-    slicer = ChunkSlicer(num_data_streams=2, slice_size=case.test["slice_size"])
-    sent = slicer.slice(encode(message_from_json(decoded)))
+    slicer = ChunkSlicer(case.test["num_data_streams"], slice_size=case.test["slice_size"])
+    sent = [
+        piece
+        for decoded in case.test["decoded"]
+        for piece in slicer.slice(encode(message_from_json(decoded)))
+    ]
     assert [b"".join(bytes(b) for b in s.buffers).hex() for s in sent] == case.test["chunks"]
-    assert [s.stream_idx for s in sent] == [i % 2 for i in range(len(sent))]
+    assert [s.stream_idx for s in sent] == case.test["streams"]
 
 
 # -- dtype codecs --------------------------------------------------------------------------------
