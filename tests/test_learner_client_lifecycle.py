@@ -30,6 +30,7 @@ from test_learner_client import (
 from yeto_learn import Learner, SyncerUnreachable
 from yeto_learn.transport import (
     ClientConfig,
+    ClientFailed,
     GroupLost,
     GroupUp,
     Received,
@@ -42,6 +43,7 @@ from yeto_proto import (
     FinalAck,
     Limits,
     MergeMode,
+    PullReq,
     PushFragment,
     WireDtype,
     WireFragment,
@@ -117,6 +119,22 @@ def test_close_during_a_dial_abandons_it_and_leaves_no_thread_or_socket(
     assert open_fds() <= fds_before  # no socket left open
 
 
+def test_a_pending_connect_does_not_overrun_connect_timeout(
+    hanging_port: int, make_client: list[SyncerClient]
+) -> None:
+    started = time.monotonic()
+    client = SyncerClient(
+        ClientConfig("127.0.0.1", hanging_port, num_streams=0, connect_timeout=0.5), HELLO, LIMITS
+    )
+    make_client.append(client)
+    client.start()
+    item = client.wait(5.0)
+    assert isinstance(item, ClientFailed), item
+    assert isinstance(item.error, SyncerUnreachable)
+    assert "within 0.5 s" in str(item.error)
+    assert time.monotonic() - started < 2.0  # the dial's own 10 s timeout used to decide
+
+
 def test_a_learner_that_cannot_start_leaves_no_client_behind(hanging_port: int) -> None:
     started = time.monotonic()
     with pytest.raises(SyncerUnreachable):
@@ -142,6 +160,30 @@ def test_a_learner_that_fails_to_start_closes_its_client_once(
         Learner(tiny_model(), syncer=f"127.0.0.1:{free_port()}", learner_id=0,
                 num_learners=1, fragments=2, connect_timeout=0.3)  # fmt: skip
     assert len(closes) == 1  # each close waits for the thread again
+
+
+def test_an_interrupted_poll_still_frees_what_it_took(monkeypatch: pytest.MonkeyPatch) -> None:
+    client = SyncerClient(ClientConfig("127.0.0.1", free_port(), num_streams=0), HELLO, LIMITS)
+    for step in (1, 2):
+        client._post(Received(1, PullReq(0, step, 0)), 1000)  # as the reader posts them
+    inbox = client._inbox
+
+    class InterruptedAfterOne:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def get_nowait(self) -> object:
+            self.calls += 1
+            if self.calls > 1:
+                raise KeyboardInterrupt
+            return inbox.get_nowait()
+
+    monkeypatch.setattr(client, "_inbox", InterruptedAfterOne())
+    with pytest.raises(KeyboardInterrupt):
+        client.poll()
+    # The item poll took is gone with the interrupt; its bytes must not stay counted, or a
+    # reader held back by a full inbox would wait for room that never comes.
+    assert client.inbox_bytes == 1000
 
 
 def test_close_flushes_what_is_queued(

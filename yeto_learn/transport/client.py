@@ -60,6 +60,8 @@ from .group import RECV_BUFFER_SIZE, ConnectionGroup, Counters, open_socket
 HEARTBEAT_INTERVAL_S = 1.0
 #: Bound on one dial (TCP connects and queuing the hellos) before it counts as failed.
 DIAL_TIMEOUT_S = 10.0
+#: The least a dial gets once the connect or reconnect deadline has (nearly) passed.
+DIAL_FLOOR_S = 0.25
 #: How long ``close`` lets queued frames drain before it cuts the sockets.
 CLOSE_FLUSH_S = 2.0
 #: The inbox's allowance beyond two of the largest fragment (see :func:`default_inbox_cap`).
@@ -172,14 +174,16 @@ class SyncerClient:
         """Every inbox item available now (never blocks)."""
         items: list[InboxItem] = []
         freed = 0
-        while True:
-            try:
-                item, size = self._inbox.get_nowait()
-            except queue.Empty:
-                self._taken(freed)
-                return items
-            items.append(item)
-            freed += size
+        try:
+            while True:
+                try:
+                    item, size = self._inbox.get_nowait()
+                except queue.Empty:
+                    return items
+                items.append(item)
+                freed += size
+        finally:  # an interrupt must not leave taken bytes counted (the reader would stay held)
+            self._taken(freed)
 
     def wait(self, timeout: float) -> InboxItem | None:
         """The next inbox item, waiting at most ``timeout`` seconds."""
@@ -308,7 +312,7 @@ class SyncerClient:
                     return
             first = False
             try:
-                group = await self._dial()
+                group = await self._dial(give_up_at)
             except (OSError, TimeoutError) as exc:
                 self.last_error = _describe(exc)
                 if time.monotonic() >= give_up_at:
@@ -349,11 +353,12 @@ class SyncerClient:
             f"{what} (last error: {self.last_error or 'none'}); is yeto-sync running there?"
         )
 
-    async def _dial(self) -> ConnectionGroup | None:
+    async def _dial(self, give_up_at: float) -> ConnectionGroup | None:
         """Open stream 0 and the data sockets of a new generation; queue HELLO, DATA_HELLOs.
 
         ``None`` once ``close`` was requested: a dial left running would join the session
-        after the learner gave up on it.
+        after the learner gave up on it. A dial ends by ``give_up_at`` (or soon after, when
+        that has passed), so a short ``connect_timeout`` is not overrun by a pending connect.
         """
         assert self._stop is not None
         cfg = self.config
@@ -362,7 +367,11 @@ class SyncerClient:
         hello = replace(self._hello, generation=generation)
         sockets: list[socket.socket] = []
         try:
-            with anyio.CancelScope() as self._dial_scope, anyio.fail_after(DIAL_TIMEOUT_S):
+            left = max(give_up_at - time.monotonic(), DIAL_FLOOR_S)
+            with (
+                anyio.CancelScope() as self._dial_scope,
+                anyio.fail_after(min(DIAL_TIMEOUT_S, left)),
+            ):
                 if self._stop.is_set():
                     self._dial_scope.cancel()
                 for _ in range(1 + cfg.num_streams):
