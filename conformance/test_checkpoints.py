@@ -27,11 +27,13 @@ from yeto_proto.checkpoint import (
     TrailerKind,
     parse_final_marker,
     read_checkpoint,
+    resume_decision,
     write_checkpoint,
 )
 from yeto_proto.checkpoint.schema import parse_checkpoint_file
 from yeto_proto.constants import IsoBackend
 from yeto_proto.errors import CheckpointError, ErrorCode
+from yeto_proto.layout import MergeMode, WireFragment, WireLayout
 
 VECTORS = Path(__file__).resolve().parent / "checkpoints"
 BACKENDS = {"scalar": IsoBackend.SCALAR, "torch-svd": IsoBackend.TORCH_SVD}
@@ -44,11 +46,12 @@ def _load(path: Path) -> Any:
 SIDECARS = {
     p.stem: _load(p)
     for p in sorted(VECTORS.glob("*.json"))
-    if not p.name.endswith(".schema.json") and p.name != "markers.json"
+    if not p.name.endswith(".schema.json") and p.name not in ("markers.json", "resume.json")
 }
 VALID = sorted(k for k, v in SIDECARS.items() if v["result"] == "valid")
 INVALID = sorted(k for k, v in SIDECARS.items() if v["result"] == "invalid")
 MARKERS = _load(VECTORS / "markers.json")
+RESUME = _load(VECTORS / "resume.json")
 
 
 def _bits(array: np.ndarray[Any, Any]) -> bytes:
@@ -238,3 +241,27 @@ def test_final_marker_case(case: dict[str, Any]) -> None:
         with pytest.raises(CheckpointError) as caught:
             parse_final_marker(data)
         assert caught.value.code is ErrorCode(case["error"])
+
+
+# -- resume decisions ----------------------------------------------------------------------------
+def test_resume_cases_follow_their_schema_and_name_valid_files() -> None:
+    jsonschema.validate(RESUME, _load(VECTORS / "resume.schema.json"))
+    for case in RESUME["tests"]:
+        assert SIDECARS[case["checkpoint"].removesuffix(".bin")]["result"] == "valid"
+
+
+@pytest.mark.parametrize("case", RESUME["tests"], ids=lambda c: f"tc{c['tcId']}")
+def test_resume_decision_case(case: dict[str, Any]) -> None:
+    hello = case["hello"]
+    decision = resume_decision(
+        read_checkpoint(VECTORS / case["checkpoint"]),
+        iso_backend=BACKENDS[case["iso_backend"]],
+        fingerprint=bytes.fromhex(hello["layout_fingerprint"]),
+        # The merge mode plays no part in resuming; the grouping of tensors does (V2).
+        wire_layout=WireLayout(
+            tuple(WireFragment(MergeMode.AVG, tuple(f)) for f in hello["fragments"])
+        ),
+        session_contract=bytes.fromhex(hello["session_contract"]),
+    )
+    assert decision.eligible is (case["result"] == "valid"), decision.reason
+    assert decision.check == case.get("check"), decision.reason

@@ -483,36 +483,38 @@ def legacy(fmt: CheckpointFormat, **kw: Any) -> Checkpoint:
 
 
 @pytest.mark.parametrize(
-    ("checkpoint", "overrides", "reason"),
+    ("checkpoint", "overrides", "reason", "check"),
     [
-        (legacy(CheckpointFormat.V1), {}, "V1 checkpoints never resume"),
-        (make_checkpoint(), {"iso_backend": IsoBackend.TORCH_SVD}, "iso backend scalar"),
-        (legacy(CheckpointFormat.V2), {"iso_backend": IsoBackend.TORCH_SVD}, "iso backend"),
-        (legacy(CheckpointFormat.V2), {"wire_layout": GROUPED}, "fails closed"),
+        (legacy(CheckpointFormat.V1), {}, "V1 checkpoints never resume", 1),
+        (make_checkpoint(), {"iso_backend": IsoBackend.TORCH_SVD}, "iso backend scalar", 2),
+        (legacy(CheckpointFormat.V2), {"iso_backend": IsoBackend.TORCH_SVD}, "iso backend", 2),
+        (legacy(CheckpointFormat.V2), {"wire_layout": GROUPED}, "fails closed", 5),
         (
             Checkpoint(**{**_fields(legacy(CheckpointFormat.V2)), "fingerprint": bytes(32)}),
             {},
             "V2 fingerprint trailer differs",
+            5,
         ),
         # Same count and same flat sizes, another fingerprint: refused all the same.
-        (make_checkpoint(), {"fingerprint": bytes(32), "wire_layout": GROUPED}, "fingerprint"),
-        (make_checkpoint((6, 2)), {}, "2 fragments, the layout 3"),
-        (make_checkpoint((6, 2, 5)), {}, "fragment 2 has numel 5"),
-        (make_checkpoint(versions=(5, 2, 4)), {}, "fragment 0 is at version 5"),
-        (make_checkpoint(global_step=0, versions=(0, 0, 1)), {}, "fragment 2 is at version 1"),
-        (make_checkpoint(contract=None), {}, "V3 checkpoint carries no session contract"),
-        (legacy(CheckpointFormat.V2), {"session_contract": bytes(32)}, "contract differs"),
-        (with_value(make_checkpoint(), 1, "params", np.nan), {}, "fragment 1 holds non-finite"),
-        (with_value(make_checkpoint(), 2, "momentum", -np.inf), {}, "non-finite momentum"),
-        (make_checkpoint(), {"session_contract": bytes(32)}, "session contract differs"),
+        (make_checkpoint(), {"fingerprint": bytes(32), "wire_layout": GROUPED}, "fingerprint", 5),
+        (make_checkpoint((6, 2)), {}, "2 fragments, the layout 3", 6),
+        (make_checkpoint((6, 2, 5)), {}, "fragment 2 has numel 5", 6),
+        (make_checkpoint(versions=(5, 2, 4)), {}, "fragment 0 is at version 5", 4),
+        (make_checkpoint(global_step=0, versions=(0, 0, 1)), {}, "fragment 2 is at version 1", 4),
+        (make_checkpoint(contract=None), {}, "V3 checkpoint carries no session contract", 7),
+        (legacy(CheckpointFormat.V2), {"session_contract": bytes(32)}, "contract differs", 7),
+        (with_value(make_checkpoint(), 1, "params", np.nan), {}, "fragment 1 holds non-finite", 3),
+        (with_value(make_checkpoint(), 2, "momentum", -np.inf), {}, "non-finite momentum", 3),
+        (make_checkpoint(), {"session_contract": bytes(32)}, "session contract differs", 7),
     ],
 )
 def test_resume_is_refused_with_a_reason(
-    checkpoint: Checkpoint, overrides: dict[str, Any], reason: str
+    checkpoint: Checkpoint, overrides: dict[str, Any], reason: str, check: int
 ) -> None:
     decision = decide(checkpoint, **overrides)
     assert decision.eligible is False
     assert reason in decision.reason
+    assert decision.check == check  # the number of spec/checkpoint.md § 4
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""Generate the checkpoint conformance vectors: ``<id>.bin`` + ``<id>.json`` and ``markers.json``.
+"""Generate the checkpoint conformance vectors: ``<id>.bin`` + ``<id>.json``, ``markers.json``
+and ``resume.json``.
 
     python conformance/checkpoints/generate.py [--out DIR]     (default: this directory)
 
@@ -223,6 +224,24 @@ VALID: list[tuple[str, str, list[str], Ckpt]] = [
         "V2, scalar backend, nothing after the ledger",
         ["legacy", "trailer-0"],
         replace(V2_FULL, iso_backend=0, trailer_bytes=0),
+    ),
+    (
+        "v3_version_off_schedule",
+        "V3 whose fragment 1 is at version 4 where global_step 7 over 3 fragments gives 5: it "
+        "reads, but never resumes",
+        ["writer", "off-schedule"],
+        replace(
+            V3_FULL,
+            fragments=(V3_FULL.fragments[0], replace(V3_FULL.fragments[1], version=4))
+            + V3_FULL.fragments[2:],
+        ),
+    ),
+    (
+        "v3_nan_off_schedule",
+        "V3 with a NaN momentum value and its one fragment at version 0 where global_step 1 "
+        "gives 1: it reads, but never resumes",
+        ["writer", "special-values", "off-schedule"],
+        Ckpt(3, 1, (Fragment(0, f32([1.0, 2.0]), f32([0.5, "7fc00000"])),), ()),
     ),
     ("v1_no_trailer", "V1 (no backend, no fingerprint)", ["legacy", "trailer-0"], V1_PLAIN),
     (
@@ -467,6 +486,195 @@ def marker_cases() -> list[dict[str, Any]]:
     return cases
 
 
+# -- resume decisions ----------------------------------------------------------------------------
+OTHER_CONTRACT = digest("yeto conformance: session contract B")
+THREE = [[4], [1], [6]]  # the valid files' fragments, one tensor each
+GROUPED_THREE = [[1, 3], [1], [2, 4]]  # the same fragment sizes, tensors grouped
+
+
+def resume_cases() -> list[dict[str, Any]]:
+    """Checkpoint + running syncer + first HELLO -> resumed, or the number of the failing
+    check of spec/checkpoint.md § 4 (the first that fails, in that order)."""
+
+    def case(
+        comment: str,
+        checkpoint: str,
+        backend: str,
+        *,
+        fingerprint: bytes = FINGERPRINT,
+        fragments: list[list[int]] | None = None,
+        contract: bytes = CONTRACT,
+        check: int | None = None,
+        flags: Sequence[str] = (),
+    ) -> dict[str, Any]:
+        test: dict[str, Any] = {
+            "comment": comment,
+            "flags": list(flags),
+            "checkpoint": f"{checkpoint}.bin",
+            "iso_backend": backend,
+            "hello": {
+                "layout_fingerprint": fingerprint.hex(),
+                "fragments": THREE if fragments is None else fragments,
+                "session_contract": contract.hex(),
+            },
+        }
+        if check is None:
+            test["result"] = "valid"
+        else:
+            test.update(result="invalid", check=check)
+        return test
+
+    cases = [
+        case("V3 as written, the session it was written for", "v3_full", "torch-svd"),
+        case(
+            "V3: grouped tensors are fine when the fingerprint matches",
+            "v3_full",
+            "torch-svd",
+            fragments=GROUPED_THREE,
+        ),
+        case(
+            "V3 at global_step 0, all versions 0", "v3_single_fragment", "scalar", fragments=[[1]]
+        ),
+        case("V2 with fingerprint and contract trailer", "v2_full", "torch-svd"),
+        case(
+            "V2 without trailer: no fingerprint or contract to compare, one tensor per fragment",
+            "v2_no_trailer",
+            "scalar",
+            fingerprint=OTHER_FINGERPRINT,
+            contract=OTHER_CONTRACT,
+            flags=["legacy"],
+        ),
+        case(
+            "V2 whose 32-byte fingerprint trailer equals the HELLO's, no contract",
+            "v2_fingerprint_trailer",
+            "torch-svd",
+            fingerprint=OTHER_FINGERPRINT,
+            contract=OTHER_CONTRACT,
+            flags=["legacy"],
+        ),
+        case("V1 never resumes", "v1_full", "scalar", check=1),
+        case("V1 without trailer never resumes", "v1_no_trailer", "torch-svd", check=1),
+        case(
+            "V3 written by a torch-svd syncer, a scalar one running", "v3_full", "scalar", check=2
+        ),
+        case(
+            "V2 written by a scalar syncer, a torch-svd one running",
+            "v2_no_trailer",
+            "torch-svd",
+            check=2,
+        ),
+        case(
+            "infinities and NaN in params and momentum",
+            "v3_special_values",
+            "scalar",
+            fragments=[[8]],
+            check=3,
+        ),
+        case("a version off the schedule", "v3_version_off_schedule", "torch-svd", check=4),
+        case(
+            "V3: another fingerprint with the same fragment sizes",
+            "v3_full",
+            "torch-svd",
+            fingerprint=OTHER_FINGERPRINT,
+            check=5,
+        ),
+        case(
+            "V2 records no fingerprint: a fragment grouping two tensors fails closed",
+            "v2_full",
+            "torch-svd",
+            fragments=[[4], [1], [2, 4]],
+            check=5,
+        ),
+        case(
+            "V2 whose fingerprint trailer differs from the HELLO's",
+            "v2_fingerprint_trailer",
+            "torch-svd",
+            check=5,
+        ),
+        case(
+            "2 fragments in the HELLO, 3 in the file",
+            "v3_full",
+            "torch-svd",
+            fragments=[[4], [1]],
+            check=6,
+        ),
+        case(
+            "fragment 2 of 5 values in the HELLO, 6 in the file",
+            "v3_full",
+            "torch-svd",
+            fragments=[[4], [1], [5]],
+            check=6,
+        ),
+        case(
+            "V3: another session contract", "v3_full", "torch-svd", contract=OTHER_CONTRACT, check=7
+        ),
+        case("V3 without a contract trailer", "v3_fingerprint_trailer", "torch-svd", check=7),
+        case(
+            "V2: a contract trailer that differs",
+            "v2_full",
+            "torch-svd",
+            contract=OTHER_CONTRACT,
+            check=7,
+        ),
+    ]
+    order = [  # several checks fail: the first in § 4's order decides
+        case(
+            "V1 with a torch-svd syncer: format (1) before backend (2)",
+            "v1_full",
+            "torch-svd",
+            check=1,
+        ),
+        case(
+            "non-finite values and a backend mismatch: backend (2) before values (3)",
+            "v3_special_values",
+            "torch-svd",
+            fragments=[[8]],
+            check=2,
+        ),
+        case(
+            "a NaN and a version off the schedule: values (3) before versions (4)",
+            "v3_nan_off_schedule",
+            "scalar",
+            fragments=[[2]],
+            check=3,
+        ),
+        case(
+            "a version off the schedule and another fingerprint: versions (4) before identity (5)",
+            "v3_version_off_schedule",
+            "torch-svd",
+            fingerprint=OTHER_FINGERPRINT,
+            check=4,
+        ),
+        case(
+            "another fingerprint and another size: identity (5) before sizes (6)",
+            "v3_full",
+            "torch-svd",
+            fingerprint=OTHER_FINGERPRINT,
+            fragments=[[4], [1], [5]],
+            check=5,
+        ),
+        case(
+            "V2 grouped and another contract: identity (5) before contract (7)",
+            "v2_full",
+            "torch-svd",
+            fragments=GROUPED_THREE,
+            contract=OTHER_CONTRACT,
+            check=5,
+        ),
+        case(
+            "another size and another contract: sizes (6) before contract (7)",
+            "v3_full",
+            "torch-svd",
+            fragments=[[4], [1], [5]],
+            contract=OTHER_CONTRACT,
+            check=6,
+        ),
+    ]
+    for test in order:
+        test["flags"].append("CheckOrder")
+    return [{"tcId": n, **test} for n, test in enumerate(cases + order, start=1)]
+
+
 # -- output --------------------------------------------------------------------------------------
 def _dump(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
@@ -499,6 +707,9 @@ def generate(out: Path) -> list[Path]:
     markers = out / "markers.json"
     _dump(markers, {"format": "YETO_FINAL_V1", "tests": marker_cases()})
     written.append(markers)
+    resume = out / "resume.json"
+    _dump(resume, {"subject": "resume decisions, spec/checkpoint.md § 4", "tests": resume_cases()})
+    written.append(resume)
     return written
 
 

@@ -31,6 +31,7 @@ from .model import (
 from .reader import read_checkpoint
 from .resume import (
     ResumeDecision,
+    ResumeRefusal,
     refusal_before_hello,
     refusal_for_session,
     resume_decision,
@@ -53,6 +54,7 @@ __all__ = [
     "MarkerState",
     "MarkerStatus",
     "ResumeDecision",
+    "ResumeRefusal",
     "TrailerKind",
     "atomic_replace",
     "export_tensors",

@@ -26,9 +26,23 @@ from .model import Checkpoint, CheckpointFormat, iso_backend_name
 
 
 @dataclass(frozen=True, slots=True)
+class ResumeRefusal:
+    """Why a checkpoint cannot resume: the failing check's number (1..7 above, stable, as in
+    spec/checkpoint.md § 4 and the conformance vectors) and a readable reason."""
+
+    check: int
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+@dataclass(frozen=True, slots=True)
 class ResumeDecision:
     eligible: bool
     reason: str
+    #: The failing check's number when refused, else None.
+    check: int | None = None
 
 
 def scheduled_version(fragment: int, global_step: int, num_fragments: int) -> int:
@@ -39,32 +53,34 @@ def scheduled_version(fragment: int, global_step: int, num_fragments: int) -> in
     return first_round + (global_step - first_round) // num_fragments * num_fragments
 
 
-def refusal_before_hello(checkpoint: Checkpoint, iso_backend: IsoBackend) -> str | None:
+def refusal_before_hello(checkpoint: Checkpoint, iso_backend: IsoBackend) -> ResumeRefusal | None:
     """Checks 1 to 4, which need no HELLO: the reason this syncer can never resume it, or None.
 
     A daemon can run them at start; :func:`resume_decision` runs them first.
     """
     if checkpoint.format is CheckpointFormat.V1:
-        return "V1 checkpoints never resume: they do not record the iso backend"
+        return ResumeRefusal(1, "V1 checkpoints never resume: they do not record the iso backend")
     if checkpoint.iso_backend is not IsoBackend(iso_backend):
         recorded = checkpoint.iso_backend
-        return (
+        return ResumeRefusal(
+            2,
             f"iso backend {iso_backend_name(recorded) if recorded is not None else 'none'} in "
-            f"the checkpoint, {iso_backend_name(iso_backend)} running"
+            f"the checkpoint, {iso_backend_name(iso_backend)} running",
         )
     for index, fragment in enumerate(checkpoint.fragments):
         # Non-finite values never reach the global state (a merge refuses them), so a file
         # holding them was damaged or written by something else.
         for name, values in (("params", fragment.params), ("momentum", fragment.momentum)):
             if not all_finite(values):
-                return f"fragment {index} holds non-finite {name}"
+                return ResumeRefusal(3, f"fragment {index} holds non-finite {name}")
     step, count = checkpoint.global_step, checkpoint.num_fragments
     for index, version in enumerate(checkpoint.versions):
         expected = scheduled_version(index, step, count)
         if version != expected:
-            return (
+            return ResumeRefusal(
+                4,
                 f"fragment {index} is at version {version}; global_step {step} "
-                f"over {count} fragments gives {expected}"
+                f"over {count} fragments gives {expected}",
             )
     return None
 
@@ -85,7 +101,7 @@ def resume_decision(
         session_contract=session_contract,
     )
     if refusal is not None:
-        return ResumeDecision(eligible=False, reason=refusal)
+        return ResumeDecision(eligible=False, reason=refusal.reason, check=refusal.check)
     return ResumeDecision(
         eligible=True,
         reason=f"{checkpoint.format.name} checkpoint at global_step {checkpoint.global_step} "
@@ -99,7 +115,7 @@ def refusal_for_session(
     fingerprint: bytes,
     wire_layout: WireLayout,
     session_contract: bytes,
-) -> str | None:
+) -> ResumeRefusal | None:
     """Checks 5 to 7, which need the HELLO: why it cannot continue this session, or None.
 
     Only meaningful for a checkpoint :func:`refusal_before_hello` accepted (a syncer runs that
@@ -108,26 +124,37 @@ def refusal_for_session(
     fmt = checkpoint.format
     if fmt is CheckpointFormat.V3:
         if checkpoint.fingerprint != fingerprint:
-            return "V3 layout fingerprint differs from the accepted HELLO fingerprint"
+            return ResumeRefusal(
+                5, "V3 layout fingerprint differs from the accepted HELLO fingerprint"
+            )
     else:
         grouped = [i for i, f in enumerate(wire_layout.fragments) if len(f.numels) != 1]
         if grouped:
-            return (
+            return ResumeRefusal(
+                5,
                 f"V2 records no fingerprint; fragment {grouped[0]} groups "
-                f"{len(wire_layout.fragments[grouped[0]].numels)} tensors, so resume fails closed"
+                f"{len(wire_layout.fragments[grouped[0]].numels)} tensors, so resume fails closed",
             )
         if checkpoint.fingerprint is not None and checkpoint.fingerprint != fingerprint:
-            return "V2 fingerprint trailer differs from the accepted HELLO fingerprint"
+            return ResumeRefusal(
+                5, "V2 fingerprint trailer differs from the accepted HELLO fingerprint"
+            )
 
     if checkpoint.num_fragments != len(wire_layout):
-        return f"checkpoint has {checkpoint.num_fragments} fragments, the layout {len(wire_layout)}"
+        return ResumeRefusal(
+            6, f"checkpoint has {checkpoint.num_fragments} fragments, the layout {len(wire_layout)}"
+        )
     for index, (have, want) in enumerate(zip(checkpoint.numels, wire_layout.numels, strict=True)):
         if have != want:
-            return f"fragment {index} has numel {have} in the checkpoint, {want} in HELLO"
+            return ResumeRefusal(
+                6, f"fragment {index} has numel {have} in the checkpoint, {want} in HELLO"
+            )
 
     if checkpoint.contract is None:
         if fmt is CheckpointFormat.V3:
-            return "the V3 checkpoint carries no session contract, so continuation is unproven"
+            return ResumeRefusal(
+                7, "the V3 checkpoint carries no session contract, so continuation is unproven"
+            )
     elif checkpoint.contract != session_contract:
-        return "session contract differs from the checkpoint's"
+        return ResumeRefusal(7, "session contract differs from the checkpoint's")
     return None
