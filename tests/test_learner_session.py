@@ -1024,6 +1024,46 @@ def test_budget_rules() -> None:
         t.step()
 
 
+def test_the_connection_carrying_budget_done_gets_no_frozen_push() -> None:
+    t = connected(budget=1)
+    theta = globals_for(51)
+    for p in range(3):
+        t.receive(bcast(t.session, p, 1, theta[p]))
+    with raises_code(ErrorCode.SESSION_MISUSE, LocalProtocolError):
+        t.session.budget_done_resent()  # nothing was reported yet
+    t.step()
+    t.session.budget_done()
+    t.receive(PullReq(0, 2, 1))
+    assert t.answer() == []  # the cutoff cancels this connection's rounds
+    # The report never reached a socket: it goes out again on the next connection, whose
+    # pulls then stay unanswered as well.
+    t.session.connection_lost()
+    t.session.hello(1, generation=902)
+    assert t.session.budget_done_resent() == BudgetDone(1)
+    t.receive(bcast(t.session, 0, 1, theta[0]))
+    t.receive(PullReq(0, 3, 1))
+    assert t.answer() == []
+    t.session.connection_lost()  # the restarted syncer: now frozen pushes answer its pulls
+    t.session.hello(1, generation=903)
+    t.receive(bcast(t.session, 0, 1, theta[0]))
+    t.receive(PullReq(0, 4, 1))
+    (push,) = t.answer()
+    assert (push.global_step, push.c_steps) == (4, 1)
+
+
+def test_no_push_after_the_final_cut_is_applied() -> None:
+    t = connected()
+    cut = final_cut()
+    for p in range(3):
+        t.receive(bcast(t.session, p, 1, globals_for(52)[p]))
+    t.step()
+    for message in final_messages(cut):
+        t.receive(message)  # applies the cut and sends the ACK
+    assert t.sent == [FinalAck(FINAL_STEP)]
+    t.receive(PullReq(0, 9, 1))  # the syncer ended every round before the cut
+    assert t.answer() == []
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 def test_frozen_learner_pushes_frozen_minus_resumed_global(dtype: WireDtype) -> None:
     budget, tokens = 3, [100, 250, 75]

@@ -237,10 +237,8 @@ class Learner:
         #: Benchmark closure (spec/closure.md): train exactly this many steps, then freeze.
         self.budget_steps = budget_steps
         self.budget_reported = False
-        #: The connection epoch BUDGET_DONE went out on: its late pulls stay unanswered.
-        self._budget_epoch: int | None = None
-        #: BUDGET_DONE that came back unsent (no byte of it was written) and the epoch it was for.
-        self._unsent_budget: tuple[int, BudgetDone] | None = None
+        #: The epoch of a BUDGET_DONE that came back unsent (no byte of it was written).
+        self._unsent_budget_epoch: int | None = None
 
         params = trainable_parameters(model)
         pattern = FragmentPattern(fragment_pattern)
@@ -428,7 +426,6 @@ class Learner:
                 )
             if self.is_leader:
                 self._send(self._leader_session().budget_done())
-                self._budget_epoch = self._epoch
             self.budget_reported = True
 
     @contextlib.contextmanager
@@ -555,17 +552,16 @@ class Learner:
                         session.connection_lost()
                 case Received():
                     applies += self._receive(session, item)
-                case Undelivered(message=BudgetDone() as report):
+                case Undelivered(message=BudgetDone()):
                     # The syncer never saw it: it still gets it, once, on a newer group.
-                    self._unsent_budget = (item.epoch, report)
+                    self._unsent_budget_epoch = item.epoch
                 case Undelivered():
                     pass  # pulls, pushes and acks die with their group
                 case ClientFailed():
                     raise item.error
-        if self._unsent_budget is not None and self._unsent_budget[0] < self._epoch:
-            self._send(self._unsent_budget[1])
-            self._budget_epoch = self._epoch
-            self._unsent_budget = None
+        if self._unsent_budget_epoch is not None and self._unsent_budget_epoch < self._epoch:
+            self._send(session.budget_done_resent())
+            self._unsent_budget_epoch = None
         status = PlanStatus.FINAL_READY if self._final is not None else PlanStatus.RUNNING
         return Plan(status, applies)
 
@@ -619,10 +615,9 @@ class Learner:
             ack = session.final_applied(final.final_global_step)
             if ack is not None:
                 self._send(ack)
-        if session.final_applied_step is None and self._epoch != self._budget_epoch:
-            for push in session.answer_pulls(self._params.read):
-                self._send(push)
-                self._pushes += 1
+        for push in session.answer_pulls(self._params.read):
+            self._send(push)
+            self._pushes += 1
         assert self._client is not None
         self._client.local_step = session.local_step
 

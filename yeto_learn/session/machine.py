@@ -141,6 +141,8 @@ class LearnerSession:
         self._local_step = 0
         self._total_tokens = 0
         self._budget_reported = False
+        #: BUDGET_DONE went out on the current connection: its pulls stay unanswered (§ 10).
+        self._budget_on_connection = False
         #: Fragments whose first BCAST on the current connection has not arrived: their held
         #: anchors may be ahead of a restarted syncer, so their pulls wait for it.
         self._awaiting_first: set[int] = set()
@@ -256,6 +258,7 @@ class LearnerSession:
         for state in self._fragments:
             state.pull = None
         self._final.connection_lost()
+        self._budget_on_connection = False
         if self._budget_reported:
             self._anchors.clear()
 
@@ -421,8 +424,12 @@ class LearnerSession:
         state = self._fragments[p]
         if state.pull is None or self._anchors[p] is None or p in self._awaiting_first:
             return False
+        if self.final_applied_step is not None:
+            return False  # every round ended before the cut: a later PUSH has no round
         if self._budget_reported:
-            return True  # frozen: the window is the whole budget
+            # Frozen: the window is the whole budget; but the cutoff cancels every round of
+            # the connection that carried BUDGET_DONE, so its pulls get no frozen PUSH.
+            return not self._budget_on_connection
         return state.apply_pending is None and state.c_steps >= 1
 
     def _push(self, p: int, read_local: ReadLocal) -> PushFragment:
@@ -475,8 +482,18 @@ class LearnerSession:
                 f"local_step {self._local_step} is not the budget {self.budget_steps}",
             )
         self._budget_reported = True
+        self._budget_on_connection = True
         for state in self._fragments:
             state.pull = None  # the cutoff cancels every in-flight round
+        return BudgetDone(self.budget_steps)
+
+    def budget_done_resent(self) -> BudgetDone:
+        """The BUDGET_DONE of which no byte reached the syncer, again for the current connection
+        (spec/learner.md § 10 (choice)); that connection's pulls then stay unanswered too."""
+        self._alive()
+        if not self._budget_reported or self.budget_steps is None:
+            raise LocalProtocolError(ErrorCode.SESSION_MISUSE, "no BUDGET_DONE to send again")
+        self._budget_on_connection = True
         return BudgetDone(self.budget_steps)
 
     # -- helpers ---------------------------------------------------------------------------
