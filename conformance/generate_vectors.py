@@ -82,9 +82,12 @@ FLAG_NOTES = {
     "rejected before anything is allocated for it.",
     "DecoderMayDefer": "The frame is well formed; the named code is raised by the session, the "
     "reassembler or the dtype codec rather than necessarily by the frame decoder.",
+    "Deferred": "A pending pull that is not answerable yet (spec/learner.md § 5 item 2).",
     "Direction": "A frame type the peer may not send in this direction.",
     "ExactSize": "A frame type whose payload size is exact.",
     "FirstFrame": "The first frame on a socket must be HELLO or DATA_HELLO within 16 MiB.",
+    "Frozen": "A learner that reported its budget (spec/learner.md § 10): frozen parameters, "
+    "anchors that die with the group.",
     "HeaderOnly": "The error is decided by the 13-byte header; no payload byte may be read or "
     "allocated first.",
     "HelloMac": "HELLO authentication: HMAC-SHA256 over the domain string and the body.",
@@ -95,11 +98,15 @@ FLAG_NOTES = {
     "Limit": "A size limit derived from the session (dtype and fragment numels).",
     "NaN": "A NaN value or NaN-carrying bit pattern.",
     "NewGeneration": "Another connection_generation of a learner id that was admitted before.",
+    "NonFinite": "A NaN or an infinity in a tensor the learner receives or would send.",
     "Normal": "An ordinary, typical case.",
     "OutOfOrder": "CHUNKs arrive in another order than they were sent.",
     "Pipeline": "A later round completed before a lower one and waits for its commit.",
     "Padding": "The last q4 block is zero-padded to 256 values.",
     "ProfileHash": "HELLO carries the optional 32-byte syncer profile hash.",
+    "Reconnect": "The connection group drops and the learner redials with a new generation "
+    "(spec/learner.md § 8).",
+    "Replay": "A version the learner holds again, or an older one: idempotent or dropped.",
     "Retry": "A quorum deadline discarded an attempt before the PUSH arrived.",
     "Rounding": "A value that is not exactly representable; pins the rounding rule.",
     "SameLimits": "The numeric layout differs from the session's, yet every frame limit derived "
@@ -342,14 +349,23 @@ class Session:
             num_streams=2,
         )
 
+    def hello_frame(self, learner_id: int, generation: int, num_streams: int) -> bytes:
+        """The session's HELLO as learner ``learner_id`` sends it on a dial (no MAC)."""
+        fields = replace(
+            self.hello, learner_id=learner_id, generation=generation, num_streams=num_streams
+        )
+        return frame(HELLO, fields.payload())
+
     def context(
         self,
         receiver: str,
         *,
         num_learners: int | None = None,
         hello_key: bytes | None = None,
+        learner_id: int = 0,
+        learner_budget_steps: int | None = None,
     ) -> Json:
-        hello = self.hello.payload()
+        hello = replace(self.hello, learner_id=learner_id).payload()
         if hello_key is not None:
             hello += hello_mac(hello_key, hello)
         ctx: Json = {
@@ -365,6 +381,8 @@ class Session:
             ctx["num_learners"] = num_learners
         if hello_key is not None:
             ctx["hello_key"] = hello_key.hex()
+        if learner_budget_steps is not None:
+            ctx["learner_budget_steps"] = learner_budget_steps
         return ctx
 
     # Tensor byte counts, as the limits of spec/wire.md § 3 derive them.
@@ -373,16 +391,28 @@ class Session:
 
     def bulk(self, fragment: int, seed: str, count: int | None = None) -> bytes:
         """INIT/BCAST tensor bytes (bf16 in a q4 session)."""
-        values = sample_values(seed, self.numels[fragment] if count is None else count)
+        return self.bulk_of(sample_values(seed, self.numels[fragment] if count is None else count))
+
+    def bulk_of(self, values: F32Array) -> bytes:
+        """``values`` in the bulk dtype of INIT and BCAST (f32, else bf16)."""
         if self.dtype == F32:
             return f32_bytes(values)
         return bf16_from_f32(values).tobytes()
 
+    def bulk_decoded(self, values: F32Array) -> F32Array:
+        """What a receiver decodes from ``bulk_of(values)``: f32 (bf16 decodes as bits << 16)."""
+        if self.dtype == F32:
+            return values.astype(np.float32)
+        return f32_from_bf16(bf16_from_f32(values))
+
     def push_delta(self, fragment: int, seed: str) -> bytes:
-        values = sample_values(seed, self.numels[fragment])
+        return self.push_of(sample_values(seed, self.numels[fragment]))
+
+    def push_of(self, delta: F32Array) -> bytes:
+        """``delta`` in the PUSH dtype: f32, bf16, or q4 blocks."""
         if self.dtype == Q4:
-            return q4_encode(values)
-        return self.bulk(fragment, seed)
+            return q4_encode(delta)
+        return self.bulk_of(delta)
 
     def final(self, fragment: int, seed: str, count: int | None = None) -> bytes:
         return f32_bytes(sample_values(seed, self.numels[fragment] if count is None else count))
@@ -2378,8 +2408,7 @@ def budget_done_file() -> Json:
     ]
     # The coordinator's verdict on a report depends on the syncer's budget: without one every
     # BUDGET_DONE is BUDGET_NOT_CONFIGURED, with one any other step count is BUDGET_MISMATCH.
-    budgeted = S_F32.context("syncer", num_learners=4)
-    budgeted["learner_budget_steps"] = 100
+    budgeted = S_F32.context("syncer", num_learners=4, learner_budget_steps=100)
     return vector_file(
         "BUDGET_DONE",
         [
@@ -3973,8 +4002,7 @@ PUSH_NUMELS = S_F32.numels
 
 
 def member_hello(learner_id: int, generation: int) -> Json:
-    fields = replace(S_F32.hello, learner_id=learner_id, generation=generation, num_streams=0)
-    return {"event": "hello", "hex": frame(HELLO, fields.payload()).hex()}
+    return {"event": "hello", "hex": S_F32.hello_frame(learner_id, generation, 0).hex()}
 
 
 def frame_event(learner_id: int, generation: int, built: bytes) -> Json:
@@ -4562,6 +4590,1065 @@ def syncer_session_group(syncer: Profile, tests: list[Json]) -> Json:
     }
 
 
+# -- learner session -----------------------------------------------------------------------------
+
+#: α of spec/learner.md § 3 (the default): how the scripts' learner blends a BCAST into its
+#: parameters. It only shapes the script's inputs; the session never sees it.
+ALPHA = np.float32(0.5)
+#: The learner of most scripts; learner 0 would also send INIT_PARAMS (spec/learner.md § 2).
+SCRIPT_LEARNER = 1
+#: The budget B of the frozen-mode group (spec/learner.md § 10).
+LEARNER_BUDGET = 3
+
+Anchor = tuple[int, F32Array]  # (version, decoded f32 values) of a raw anchor
+
+
+def send(built: bytes) -> Json:
+    """Expected effect: the learner sends this frame."""
+    return {"effect": "send", "hex": built.hex()}
+
+
+def apply_broadcast(fragment: int, version: int, values: F32Array) -> Json:
+    """Expected effect: blend the decoded global values of BCAST ``version`` into the fragment."""
+    return {
+        "effect": "apply_broadcast",
+        "fragment": fragment,
+        "version": version,
+        "f32": f32_bytes(values).hex(),
+    }
+
+
+def apply_final(final_global_step: int, fragments: Sequence[F32Array]) -> Json:
+    """Expected effect: overwrite every fragment with its final values (no blending)."""
+    return {
+        "effect": "apply_final",
+        "final_global_step": final_global_step,
+        "f32": [f32_bytes(values).hex() for values in fragments],
+    }
+
+
+SHUTDOWN_RECEIVED: Json = {"effect": "shutdown"}
+
+
+def with_value(values: F32Array, at: int, value: float) -> F32Array:
+    """``values`` with element ``at`` replaced (a NaN or an infinity, say)."""
+    out = values.copy()
+    out[at] = value
+    return out
+
+
+class LearnerScript:
+    """One LearnerSessionTest under construction: its events and the learner's parameters.
+
+    The parameters are the script's own inputs (what training and blending make of them). Every
+    expected effect is stated by the case, from the spec; this class only encodes its tensors.
+    """
+
+    def __init__(self, session: Session, seed: str, learner_id: int = SCRIPT_LEARNER) -> None:
+        self.session = session
+        self.learner_id = learner_id
+        self.seed = seed
+        self.draws = 0
+        self.params = [self.values(numel) for numel in session.numels]
+        self.initial = [f32_bytes(values).hex() for values in self.params]
+        self.events: list[Json] = []
+        #: The raw anchors the case says the learner holds, for the PUSHes it expects.
+        self.anchors: dict[int, Anchor] = {}
+        self.final_cut: list[F32Array] = []
+
+    def values(self, count: int) -> F32Array:
+        """Fresh reproducible values: every call draws new ones."""
+        self.draws += 1
+        return sample_values(f"learner session: {self.seed} #{self.draws}", count)
+
+    def fragment_values(self, fragment: int) -> F32Array:
+        return self.values(self.session.numels[fragment])
+
+    # -- frames the syncer sends ---------------------------------------------------------------
+    def bcast(self, fragment: int, version: int, values: F32Array) -> bytes:
+        data = self.session.bulk_of(values)
+        return versioned_fragment(BCAST_FRAGMENT, fragment, version, data)[0]
+
+    @staticmethod
+    def final(fragment: int, version: int, values: F32Array) -> bytes:
+        return versioned_fragment(FINAL_FRAGMENT, fragment, version, f32_bytes(values))[0]
+
+    # -- events --------------------------------------------------------------------------------
+    def add(self, event: str, effects: Sequence[Json] | None = None, **fields: Any) -> None:
+        entry: Json = {"event": event, **fields}
+        if effects is not None:
+            entry["effects"] = list(effects)
+        self.events.append(entry)
+
+    def connect(self, generation: int, num_streams: int = 0, *, init: Sequence[int] = ()) -> None:
+        """A new connection group: HELLO, a DATA_HELLO per data stream, learner 0's INITs of
+        the fragments ``init`` (those the case says it holds no anchor of), in that order."""
+        sent = [self.session.hello_frame(self.learner_id, generation, num_streams)]
+        sent += [data_hello(self.learner_id, generation, i)[0] for i in range(num_streams)]
+        sent += [init_params(p, self.session.bulk_of(self.params[p]))[0] for p in init]
+        effects = [send(built) for built in sent]
+        self.add("connect", effects, generation=generation, num_streams=num_streams)
+
+    def receive(self, built: bytes, *effects: Json) -> None:
+        self.add("receive", effects, hex=built.hex())
+
+    def broadcast(
+        self, fragment: int, version: int, values: F32Array | None = None, *, blend: bool = True
+    ) -> F32Array:
+        """A BCAST the learner accepts: it becomes the anchor and, with ``blend``, is handed out
+        for blending and blended in (``applied``). The decoded anchor is returned."""
+        values = self.fragment_values(fragment) if values is None else values
+        anchor = self.session.bulk_decoded(values)
+        self.anchors[fragment] = (version, anchor)
+        if not blend:
+            self.receive(self.bcast(fragment, version, values))
+            return anchor
+        self.receive(
+            self.bcast(fragment, version, values), apply_broadcast(fragment, version, anchor)
+        )
+        self.applied(fragment, version)
+        return anchor
+
+    def applied(self, fragment: int, version: int) -> None:
+        """The application blended BCAST ``version`` in: θ ← α·θ + (1 − α)·Θ, in f32."""
+        theta = self.params[fragment]
+        blended = ALPHA * theta + (np.float32(1) - ALPHA) * self.anchors[fragment][1]
+        self.params[fragment] = blended.astype(np.float32)
+        self.add(
+            "applied",
+            fragment=fragment,
+            version=version,
+            params=f32_bytes(self.params[fragment]).hex(),
+        )
+
+    def train(self, *tokens: int, params: Sequence[F32Array] | None = None) -> None:
+        """``len(tokens)`` local steps; the parameters then hold new values."""
+        if params is None:
+            params = [self.fragment_values(p) for p in range(len(self.params))]
+        self.params = [np.asarray(values, dtype=np.float32) for values in params]
+        self.add("train", tokens=list(tokens), params=[f32_bytes(v).hex() for v in self.params])
+
+    def pull(self, fragment: int, step: int, attempt: int = 1) -> None:
+        self.receive(pull_req(fragment, step, attempt)[0])
+
+    def push(
+        self,
+        fragment: int,
+        step: int,
+        *,
+        base: int,
+        local_step: int,
+        c_steps: int,
+        c_tokens: int,
+        attempt: int = 1,
+    ) -> Json:
+        """The PUSH answering PULL (fragment, step, attempt): ``local − raw anchor`` in f32,
+        encoded in the PUSH dtype; ``base`` is the version of the anchor the case expects."""
+        version, anchor = self.anchors[fragment]
+        assert version == base, f"the script's anchor of fragment {fragment} is {version}"
+        delta = np.subtract(self.params[fragment], anchor, dtype=np.float32)
+        built, _ = push_fragment(
+            self.session.push_of(delta),
+            learner_id=self.learner_id,
+            fragment_id=fragment,
+            global_step=step,
+            round_attempt=attempt,
+            base_version=base,
+            local_step=local_step,
+            c_steps=c_steps,
+            c_tokens=c_tokens,
+        )
+        return send(built)
+
+    def answer(self, *pushes: Json) -> None:
+        self.add("answer_pulls", pushes)
+
+    def apply_final(self, final_global_step: int, fragments: Sequence[F32Array]) -> Json:
+        self.final_cut = list(fragments)
+        return apply_final(final_global_step, fragments)
+
+    def final_applied(self, final_global_step: int, *, ack: bool = True) -> None:
+        """The parameters hold the final cut; the FINAL_ACK goes out unless ``ack`` is False."""
+        self.params = list(self.final_cut)
+        effects = [send(final_ack(final_global_step)[0])] if ack else []
+        self.add("final_applied", effects, final_global_step=final_global_step)
+
+    def connection_lost(self) -> None:
+        self.add("connection_lost")
+
+    def heartbeat(self, local_step: int) -> None:
+        self.add("heartbeat", [send(heartbeat(self.learner_id, local_step)[0])])
+
+    def budget_done(self, steps: int) -> None:
+        self.add("budget_done", [send(budget_done(steps)[0])])
+
+    # -- the test ------------------------------------------------------------------------------
+    def completed(self, comment: str, *flags: str) -> Json:
+        """Every event happens with exactly its effects."""
+        return self._test(comment, flags, "completed")
+
+    def fails(self, comment: str, event: Json, code: str, *flags: str) -> Json:
+        """The script runs, then ``event`` (without effects) stops the learner with ``code``."""
+        assert "effects" not in event
+        test = self._test(comment, flags, "fatal")
+        test["event"] = event
+        test["code"] = code
+        return test
+
+    def fails_on(self, comment: str, built: bytes, code: str, *flags: str) -> Json:
+        """The script runs, then receiving ``built`` stops the learner with ``code``."""
+        return self.fails(comment, {"event": "receive", "hex": built.hex()}, code, *flags)
+
+    def _test(self, comment: str, flags: tuple[str, ...], result: str) -> Json:
+        return {
+            "comment": comment,
+            "flags": list(flags),
+            "params": self.initial,
+            "script": self.events,
+            "result": result,
+        }
+
+
+def started(session: Session, seed: str, learner_id: int = SCRIPT_LEARNER) -> LearnerScript:
+    """Generation 1 is up (no data streams) and the first BCAST of every fragment, version 0,
+    was accepted and blended in (learner 0 INITs every fragment first)."""
+    script = LearnerScript(session, seed, learner_id)
+    init = range(len(session.numels)) if learner_id == 0 else ()
+    script.connect(1, init=init)
+    for fragment in range(len(session.numels)):
+        script.broadcast(fragment, 0)
+    return script
+
+
+def finalized(seed: str) -> tuple[LearnerScript, list[F32Array]]:
+    """An f32 learner that received the final cut of step 8 (versions 7 and 8), applied it and
+    sent its FINAL_ACK on generation 1; the cut's values are returned."""
+    script = started(S_F32, seed)
+    cut = [script.fragment_values(0), script.fragment_values(1)]
+    script.receive(script.final(0, 7, cut[0]))
+    script.receive(script.final(1, 8, cut[1]))
+    script.receive(final_manifest(8, [7, 8])[0], script.apply_final(8, cut))
+    script.final_applied(8)
+    return script, cut
+
+
+def learner_broadcast_tests() -> list[Json]:
+    """spec/learner.md § 3 and § 4 in an f32 session (learner 1; fragments of 5 and 3 values)."""
+    tests = []
+
+    s = started(S_F32, "first")
+    tests.append(
+        s.completed(
+            "§ 3: the first BCAST of each fragment is accepted; the learner is handed the decoded "
+            "f32 values to blend (the raw anchor) and confirms the blend",
+            "Normal",
+        )
+    )
+
+    s = started(S_F32, "higher")
+    s.broadcast(0, 3)
+    s.train(100)
+    s.pull(0, 4)
+    s.answer(s.push(0, 4, base=3, local_step=1, c_steps=1, c_tokens=100))
+    tests.append(
+        s.completed(
+            "§ 3: a higher version is accepted and becomes the anchor; § 5: the PUSH's "
+            "base_version is the anchor's version and its delta local − raw anchor (not the "
+            "blended value)",
+            "Normal",
+        )
+    )
+
+    s = started(S_F32, "lower")
+    s.broadcast(0, 3)
+    s.receive(s.bcast(0, 2, s.fragment_values(0)))
+    s.train(64)
+    s.pull(0, 4)
+    s.answer(s.push(0, 4, base=3, local_step=1, c_steps=1, c_tokens=64))
+    tests.append(
+        s.completed(
+            "§ 3 table: a lower version is dropped silently; the anchor stays at version 3",
+            "Replay",
+        )
+    )
+
+    s = started(S_F32, "equal")
+    theta = s.fragment_values(0)
+    s.broadcast(0, 3, theta)
+    s.train(10, 20)
+    s.receive(s.bcast(0, 3, theta))
+    s.train(30)
+    s.pull(0, 4)
+    s.answer(s.push(0, 4, base=3, local_step=3, c_steps=3, c_tokens=60))
+    tests.append(
+        s.completed(
+            "§ 3 table: the same version with identical bytes changes nothing: not handed out "
+            "again, and (§ 4) the window is not reset",
+            "Replay",
+        )
+    )
+
+    s = started(S_F32, "conflict")
+    theta = s.fragment_values(0)
+    s.broadcast(0, 3, theta)
+    tests.append(
+        s.fails_on(
+            "§ 3 table: the same version with different bytes is fatal",
+            s.bcast(0, 3, with_value(theta, 4, 0.125)),
+            "BCAST_CONFLICT",
+            "Normal",
+        )
+    )
+
+    s = started(S_F32, "nan")
+    tests.append(
+        s.fails_on(
+            "§ 3: a NaN in a higher BCAST stops the learner; it is never applied",
+            s.bcast(0, 1, with_value(s.fragment_values(0), 2, math.nan)),
+            "NON_FINITE_VALUE",
+            "NonFinite",
+        )
+    )
+
+    s = LearnerScript(S_F32, "inf")
+    s.connect(1)
+    tests.append(
+        s.fails_on(
+            "§ 3: an infinity in the first BCAST of a fragment stops the learner",
+            s.bcast(1, 0, with_value(s.fragment_values(1), 0, -math.inf)),
+            "NON_FINITE_VALUE",
+            "NonFinite",
+        )
+    )
+
+    s = started(S_F32, "stale nan")
+    s.broadcast(0, 3)
+    s.receive(s.bcast(0, 2, with_value(s.fragment_values(0), 0, math.nan)))
+    tests.append(
+        s.completed(
+            "§ 3: the finite check runs when the tensor is decoded, so a lower version that is "
+            "dropped is not checked: a NaN in it goes unnoticed",
+            "NonFinite",
+            "Replay",
+        )
+    )
+
+    s = started(S_F32, "window")
+    s.train(10, 20)
+    theta = s.fragment_values(0)
+    s.anchors[0] = (1, theta)
+    s.receive(s.bcast(0, 1, theta), apply_broadcast(0, 1, theta))
+    s.train(30)
+    s.applied(0, 1)
+    s.train(40)
+    s.pull(1, 3)
+    s.pull(0, 2)
+    s.answer(
+        s.push(0, 2, base=1, local_step=4, c_steps=1, c_tokens=40),
+        s.push(1, 3, base=0, local_step=4, c_steps=4, c_tokens=100),
+    )
+    tests.append(
+        s.completed(
+            "§ 4: every step counts in every fragment's window; applying a BCAST resets that "
+            "fragment's window only, and a step taken while it was not yet blended in is not "
+            "counted; local_step is cumulative. § 5 item 5: the oldest global_step goes first",
+            "Normal",
+        )
+    )
+    return tests
+
+
+def learner_pull_tests() -> list[Json]:
+    """spec/learner.md § 4 and § 5 in the f32 session."""
+    tests = []
+
+    s = started(S_F32, "push")
+    s.train(100, 120)
+    s.pull(0, 1)
+    s.answer(s.push(0, 1, base=0, local_step=2, c_steps=2, c_tokens=220))
+    tests.append(
+        s.completed(
+            "§ 5 item 3: PULL_REQ answered with PUSH_FRAGMENT: step and attempt echoed, "
+            "base_version of the anchor, cumulative local_step, the window's c_steps and tokens",
+            "Normal",
+        )
+    )
+
+    s = started(S_F32, "once")
+    s.train(50)
+    s.pull(1, 2)
+    s.answer(s.push(1, 2, base=0, local_step=1, c_steps=1, c_tokens=50))
+    s.answer()
+    s.train(60)
+    s.pull(1, 4, 2)
+    s.answer(s.push(1, 4, base=0, local_step=2, c_steps=2, c_tokens=110, attempt=2))
+    tests.append(
+        s.completed(
+            "§ 5 item 5: a pull is answered once; § 4: a PUSH does not reset the window, so the "
+            "next PUSH (same anchor) covers both steps",
+            "Normal",
+        )
+    )
+
+    s = LearnerScript(S_F32, "overtaken")
+    s.connect(1)
+    s.train(8)
+    s.pull(0, 1)
+    s.answer()
+    theta = s.fragment_values(0)
+    s.anchors[0] = (0, theta)
+    s.receive(s.bcast(0, 0, theta), apply_broadcast(0, 0, theta))
+    s.answer()
+    s.applied(0, 0)
+    s.answer()
+    s.train(9)
+    s.answer(s.push(0, 1, base=0, local_step=2, c_steps=1, c_tokens=9))
+    tests.append(
+        s.completed(
+            "§ 5 item 2: a PULL for a fragment without an anchor waits, then while its BCAST is "
+            "not blended in, then while c_steps is 0; it is answered after the next step",
+            "Deferred",
+        )
+    )
+
+    s = started(S_F32, "superseded")
+    s.pull(0, 5, 1)
+    s.pull(0, 5, 2)
+    s.train(7)
+    s.answer(s.push(0, 5, base=0, local_step=1, c_steps=1, c_tokens=7, attempt=2))
+    tests.append(
+        s.completed(
+            "§ 5 item 1: a later PULL of the same fragment (a retry, attempt 2) replaces the "
+            "pending one: only attempt 2 is answered",
+            "Deferred",
+        )
+    )
+
+    s = started(S_F32, "order")
+    s.train(5)
+    s.pull(1, 6)
+    s.pull(0, 5)
+    s.answer(
+        s.push(0, 5, base=0, local_step=1, c_steps=1, c_tokens=5),
+        s.push(1, 6, base=0, local_step=1, c_steps=1, c_tokens=5),
+    )
+    tests.append(
+        s.completed(
+            "§ 5 item 5: two answerable pulls, the lower global_step first whatever their "
+            "arrival order",
+            "Normal",
+        )
+    )
+
+    s = started(S_F32, "non-finite delta")
+    s.train(4, params=[with_value(s.fragment_values(0), 1, math.inf), s.fragment_values(1)])
+    s.pull(0, 2)
+    tests.append(
+        s.fails(
+            "§ 5 item 4: a delta that is not finite is never sent: the learner stops instead",
+            {"event": "answer_pulls"},
+            "NON_FINITE_VALUE",
+            "NonFinite",
+        )
+    )
+    return tests
+
+
+def learner_final_tests() -> list[Json]:
+    """spec/learner.md § 7 in the f32 session."""
+    tests = []
+
+    s, _ = finalized("final")
+    s.receive(shutdown()[0], SHUTDOWN_RECEIVED)
+    tests.append(
+        s.completed(
+            "§ 7: FINAL_FRAGMENTs, then FINAL_MANIFEST: the cut is handed out (no blending), the "
+            "FINAL_ACK goes out once it is applied, and SHUTDOWN after the ACK ends the run",
+            "Normal",
+        )
+    )
+
+    s = started(S_F32, "manifest first")
+    cut = [s.fragment_values(0), s.fragment_values(1)]
+    s.receive(final_manifest(8, [7, 8])[0])
+    s.receive(s.final(1, 8, cut[1]))
+    s.receive(s.final(0, 7, cut[0]), s.apply_final(8, cut))
+    s.final_applied(8)
+    tests.append(
+        s.completed(
+            "§ 7: the manifest and the fragments arrive in any order: the cut is handed out when "
+            "the last of them arrives",
+            "Normal",
+        )
+    )
+
+    s = started(S_F32, "final versions")
+    cut = [s.fragment_values(0), s.fragment_values(1)]
+    s.receive(s.final(0, 6, s.fragment_values(0)))
+    s.receive(s.final(1, 8, cut[1]))
+    s.receive(final_manifest(8, [7, 8])[0])
+    s.receive(s.final(0, 5, s.fragment_values(0)))
+    s.receive(s.final(1, 8, cut[1]))
+    s.receive(s.final(0, 7, cut[0]), s.apply_final(8, cut))
+    tests.append(
+        s.completed(
+            "§ 7 items 1, 3: the cut needs exactly the expected version of every fragment; a "
+            "lower FINAL_FRAGMENT is dropped, an identical one is a replay",
+            "Replay",
+        )
+    )
+
+    s = started(S_F32, "final conflict")
+    held = s.fragment_values(0)
+    s.receive(s.final(0, 7, held))
+    tests.append(
+        s.fails_on(
+            "§ 7 item 1: two FINAL_FRAGMENTs of one fragment and version with different bytes",
+            s.final(0, 7, with_value(held, 0, -0.0)),
+            "FINAL_CONFLICT",
+            "Normal",
+        )
+    )
+
+    s = started(S_F32, "final nan")
+    tests.append(
+        s.fails_on(
+            "§ 3: a NaN in a FINAL_FRAGMENT stops the learner; it is never applied",
+            s.final(1, 8, with_value(s.fragment_values(1), 2, math.nan)),
+            "NON_FINITE_VALUE",
+            "NonFinite",
+        )
+    )
+
+    s = started(S_F32, "bcast vs final")
+    cut = [s.fragment_values(0), s.fragment_values(1)]
+    s.receive(s.final(0, 7, cut[0]))
+    s.broadcast(0, 7, with_value(cut[0], 0, 1.5))
+    s.broadcast(1, 8, cut[1])
+    s.receive(final_manifest(8, [7, 8])[0])
+    s.receive(s.final(1, 8, cut[1]), s.apply_final(8, cut))
+    tests.append(
+        s.completed(
+            "§ 7 item 1: a BCAST neither conflicts with the final cache (fragment 0, version 7, "
+            "other bytes) nor satisfies it (fragment 1, version 8, the same bytes)",
+            "Normal",
+        )
+    )
+
+    s = started(S_F32, "manifest beyond")
+    tests.append(
+        s.fails_on(
+            "§ 7 item 2: an expected version above final_global_step",
+            final_manifest(8, [7, 9])[0],
+            "BAD_MANIFEST",
+            "Boundary",
+        )
+    )
+
+    s = started(S_F32, "manifests")
+    cut = [s.fragment_values(0), s.fragment_values(1)]
+    s.receive(s.final(0, 9, cut[0]))
+    s.receive(s.final(1, 10, cut[1]))
+    s.receive(final_manifest(8, [7, 8])[0])
+    s.receive(final_manifest(10, [9, 10])[0], s.apply_final(10, cut))
+    s.receive(final_manifest(8, [7, 8])[0])
+    s.receive(final_manifest(10, [9, 10])[0])
+    s.final_applied(10)
+    tests.append(
+        s.completed(
+            "§ 7 item 2: a higher final_global_step replaces the held manifest; a lower one is "
+            "dropped and an equal one with the same versions is a replay",
+            "Replay",
+        )
+    )
+
+    s = started(S_F32, "manifest conflict")
+    s.receive(final_manifest(8, [7, 8])[0])
+    tests.append(
+        s.fails_on(
+            "§ 7 item 2: two manifests of one final_global_step with different versions",
+            final_manifest(8, [8, 8])[0],
+            "FINAL_CONFLICT",
+            "Normal",
+        )
+    )
+
+    s = started(S_F32, "early shutdown")
+    tests.append(
+        s.fails_on(
+            "§ 7 item 5: SHUTDOWN before any final cut",
+            shutdown()[0],
+            "UNEXPECTED_SHUTDOWN",
+            "Normal",
+        )
+    )
+
+    s = started(S_F32, "shutdown before ack")
+    cut = [s.fragment_values(0), s.fragment_values(1)]
+    s.receive(s.final(0, 7, cut[0]))
+    s.receive(s.final(1, 8, cut[1]))
+    s.receive(final_manifest(8, [7, 8])[0], s.apply_final(8, cut))
+    tests.append(
+        s.fails_on(
+            "§ 7 items 4, 5: SHUTDOWN after the cut was handed out but before it was applied and "
+            "ACKed",
+            shutdown()[0],
+            "UNEXPECTED_SHUTDOWN",
+            "Normal",
+        )
+    )
+
+    s, _ = finalized("replaced manifest")
+    cut = [s.fragment_values(0), s.fragment_values(1)]
+    s.receive(s.final(0, 10, cut[0]))
+    s.receive(s.final(1, 10, cut[1]))
+    s.receive(final_manifest(10, [10, 10])[0], s.apply_final(10, cut))
+    tests.append(
+        s.fails_on(
+            "§ 7 item 5: the ACK must be for the exact held manifest: after a higher manifest "
+            "replaced the ACKed one, SHUTDOWN before its cut is applied and ACKed is fatal",
+            shutdown()[0],
+            "UNEXPECTED_SHUTDOWN",
+            "Normal",
+        )
+    )
+
+    s, _ = finalized("late bcast")
+    s.broadcast(0, 9, blend=False)
+    s.receive(shutdown()[0], SHUTDOWN_RECEIVED)
+    tests.append(
+        s.completed(
+            "§ 3: once the final cut was handed to the parameters, a later BCAST is not blended",
+            "Normal",
+        )
+    )
+
+    s, _ = finalized("late conflict")
+    tests.append(
+        s.fails_on(
+            "§ 3: after the final cut, a BCAST is still checked: version 0 with other bytes",
+            s.bcast(1, 0, s.fragment_values(1)),
+            "BCAST_CONFLICT",
+            "Normal",
+        )
+    )
+
+    s, _ = finalized("after shutdown")
+    s.receive(shutdown()[0], SHUTDOWN_RECEIVED)
+    s.receive(s.bcast(0, 9, s.fragment_values(0)))
+    s.receive(pull_req(0, 10, 1)[0])
+    tests.append(
+        s.completed(
+            "§ 7 item 5: after SHUTDOWN the run is complete; what still arrives is ignored",
+            "Normal",
+        )
+    )
+    return tests
+
+
+def learner_reconnect_tests() -> list[Json]:
+    """spec/learner.md § 8 (with § 3's first BCAST per connection and § 7 item 6)."""
+    tests = []
+
+    s = started(S_F32, "redial")
+    s.pull(0, 1)
+    s.train(10)
+    s.connection_lost()
+    s.connect(2, 2)
+    s.receive(s.bcast(0, 0, s.anchors[0][1]))
+    s.receive(s.bcast(1, 0, s.anchors[1][1]))
+    s.answer()
+    s.heartbeat(1)
+    s.pull(0, 2)
+    s.answer(s.push(0, 2, base=0, local_step=1, c_steps=1, c_tokens=10))
+    tests.append(
+        s.completed(
+            "§ 8: the redial's HELLO differs only in generation and num_streams (§ 1), and a "
+            "DATA_HELLO goes out per data stream; the pending pull died with the group; the "
+            "anchor, window and local_step are kept, and a replay at the held version is "
+            "idempotent",
+            "Reconnect",
+            "Replay",
+        )
+    )
+
+    s = started(S_F32, "restarted syncer")
+    s.broadcast(0, 3)
+    s.train(10)
+    s.connection_lost()
+    s.connect(2)
+    s.pull(0, 3)
+    s.answer()
+    s.broadcast(0, 2)
+    s.train(20)
+    s.answer(s.push(0, 3, base=2, local_step=2, c_steps=1, c_tokens=20))
+    tests.append(
+        s.completed(
+            "§ 3, § 8: on a new connection a fragment's PULLs wait for its first BCAST, which "
+            "replaces the anchor even when lower (a syncer restarted from an older checkpoint)",
+            "Reconnect",
+            "Deferred",
+        )
+    )
+
+    s = started(S_F32, "redone version")
+    s.connection_lost()
+    s.connect(2)
+    s.broadcast(1, 0)
+    s.train(3)
+    s.pull(1, 1)
+    s.answer(s.push(1, 1, base=0, local_step=1, c_steps=1, c_tokens=3))
+    tests.append(
+        s.completed(
+            "§ 3: the first BCAST on a new connection at the held version with other bytes "
+            "(the syncer redid the round) is accepted, not a conflict",
+            "Reconnect",
+        )
+    )
+
+    s = started(S_F32, "table again")
+    s.broadcast(0, 3)
+    s.connection_lost()
+    s.connect(2)
+    s.broadcast(0, 2)
+    s.receive(s.bcast(0, 1, s.fragment_values(0)))
+    s.train(6)
+    s.pull(0, 3)
+    s.answer(s.push(0, 3, base=2, local_step=1, c_steps=1, c_tokens=6))
+    tests.append(
+        s.completed(
+            "§ 3: after the connection's first BCAST of a fragment, the table applies again: a "
+            "lower version is dropped",
+            "Reconnect",
+            "Replay",
+        )
+    )
+
+    s = started(S_F32, "conflict again")
+    s.connection_lost()
+    s.connect(2)
+    theta = s.broadcast(0, 0)
+    tests.append(
+        s.fails_on(
+            "§ 3: a second BCAST of the new connection with the same version and other bytes",
+            s.bcast(0, 0, with_value(theta, 3, 0.5)),
+            "BCAST_CONFLICT",
+            "Reconnect",
+        )
+    )
+
+    s = started(S_F32, "used generation")
+    s.connection_lost()
+    tests.append(
+        s.fails(
+            "§ 1 item 1: every dial uses a generation the learner never used in the run",
+            {"event": "connect", "generation": 1, "num_streams": 0},
+            "DUPLICATE_GENERATION",
+            "Reconnect",
+        )
+    )
+
+    s, cut = finalized("ack again")
+    s.connection_lost()
+    s.connect(2)
+    s.receive(s.final(0, 7, cut[0]))
+    s.receive(s.final(1, 8, cut[1]))
+    s.receive(final_manifest(8, [7, 8])[0], send(final_ack(8)[0]))
+    s.receive(shutdown()[0], SHUTDOWN_RECEIVED)
+    tests.append(
+        s.completed(
+            "§ 7 item 6: an ACK counts for one generation: after a reconnect the learner ACKs "
+            "again once that generation's manifest arrived, without applying the cut again",
+            "Reconnect",
+            "Replay",
+        )
+    )
+
+    s, cut = finalized("shutdown on new generation")
+    s.connection_lost()
+    s.connect(2)
+    s.receive(s.final(0, 7, cut[0]))
+    tests.append(
+        s.fails_on(
+            "§ 7 item 5: SHUTDOWN on a new connection before its manifest arrived (the ACK of "
+            "generation 1 does not count)",
+            shutdown()[0],
+            "UNEXPECTED_SHUTDOWN",
+            "Reconnect",
+        )
+    )
+
+    s = started(S_F32, "lost before ack")
+    cut = [s.fragment_values(0), s.fragment_values(1)]
+    s.receive(s.final(0, 7, cut[0]))
+    s.receive(s.final(1, 8, cut[1]))
+    s.receive(final_manifest(8, [7, 8])[0], s.apply_final(8, cut))
+    s.connection_lost()
+    s.connect(2)
+    s.final_applied(8, ack=False)
+    s.receive(final_manifest(8, [7, 8])[0], send(final_ack(8)[0]))
+    tests.append(
+        s.completed(
+            "§ 7 items 4, 6: the group died before the cut was applied: no ACK on the new group "
+            "until its manifest arrives, and then without a second apply",
+            "Reconnect",
+        )
+    )
+
+    s = started(S_F32, "cache kept")
+    cut = [s.fragment_values(0), s.fragment_values(1)]
+    s.receive(s.final(0, 7, cut[0]))
+    s.receive(s.final(1, 8, cut[1]))
+    s.connection_lost()
+    s.connect(2)
+    s.receive(final_manifest(8, [7, 8])[0], s.apply_final(8, cut))
+    tests.append(
+        s.completed(
+            "§ 8: the final cache survives a reconnect: the new connection's manifest completes "
+            "the cut with the fragments of the old one",
+            "Reconnect",
+        )
+    )
+
+    s = started(S_F32, "manifest here")
+    cut = [s.fragment_values(0), s.fragment_values(1)]
+    s.receive(final_manifest(8, [7, 8])[0])
+    s.receive(s.final(0, 7, cut[0]))
+    s.connection_lost()
+    s.connect(2)
+    s.receive(s.final(1, 8, cut[1]))
+    s.receive(final_manifest(8, [7, 8])[0], s.apply_final(8, cut))
+    tests.append(
+        s.completed(
+            "§ 7 item 3: the manifest must have arrived on the current connection: one held "
+            "from the old connection does not complete the cut",
+            "Reconnect",
+        )
+    )
+    return tests
+
+
+def learner_misc_tests() -> list[Json]:
+    """What a learner never receives (§ 1 item 5), and ERROR (§ 9)."""
+    s = started(S_F32, "error")
+    tests = [
+        s.fails_on(
+            "§ 9: ERROR from the syncer is fatal: the learner stops and does not redial",
+            error_frame("HANDSHAKE_TIMEOUT: data streams did not attach")[0],
+            "SYNCER_ERROR",
+            "Normal",
+        )
+    ]
+    # One of each kind (the frame files pin every type's direction): a handshake, a bulk and
+    # a finalization frame.
+    foreign: list[tuple[str, bytes]] = [
+        ("HELLO", S_F32.hello_frame(0, 7, 0)),
+        ("PUSH_FRAGMENT", push_fragment(S_F32.push_delta(0, "learner session: PUSH"))[0]),
+        ("FINAL_ACK", final_ack(8)[0]),
+    ]
+    for name, built in foreign:
+        s = LearnerScript(S_F32, f"never {name}")
+        s.connect(1)
+        tests.append(
+            s.fails_on(
+                f"§ 1 item 5: a learner never receives {name}",
+                built,
+                "WRONG_DIRECTION",
+                "Direction",
+            )
+        )
+    return tests
+
+
+def learner_bf16_tests() -> list[Json]:
+    """bf16 (fragments of 6 and 4 values): BCAST decodes as bits << 16, PUSH rounds (§ 6)."""
+    s = LearnerScript(S_BF16, "bf16")
+    s.connect(1)
+    anchor = np.array([1.0, -2.0, 0.5, 0.0, 3.0, -0.25], dtype=np.float32)
+    s.broadcast(0, 0, anchor)
+    s.broadcast(1, 0)  # sample values: rounded to bf16, decoded exactly
+    # Deltas: two exact ties (round half to even: down to 1.0, up to 1.015625), values that
+    # round, and one that bf16 holds exactly.
+    delta = np.array([1.00390625, 1.01171875, 0.1, -0.3, 1e-3, 0.75], dtype=np.float32)
+    local = np.add(anchor, delta, dtype=np.float32)
+    assert np.array_equal(np.subtract(local, anchor, dtype=np.float32)[:2], delta[:2])
+    s.train(100, 28, params=[local, s.fragment_values(1)])
+    s.pull(0, 1)
+    s.pull(1, 2)
+    s.answer(
+        s.push(0, 1, base=0, local_step=2, c_steps=2, c_tokens=128),
+        s.push(1, 2, base=0, local_step=2, c_steps=2, c_tokens=128),
+    )
+    tests = [
+        s.completed(
+            "§ 3, § 6: a bf16 BCAST is decoded as bits << 16 (the anchor); the PUSH delta "
+            "local − anchor is computed in f32 and rounded to bf16, ties to even",
+            "Rounding",
+            "Tie",
+        )
+    ]
+
+    s = LearnerScript(S_BF16, "bf16 inf")
+    s.connect(1)
+    data = bf16_from_f32(s.fragment_values(1))
+    data[3] = 0x7F80  # +inf
+    tests.append(
+        s.fails_on(
+            "§ 3: a bf16 BCAST holding +inf (0x7f80) stops the learner",
+            versioned_fragment(BCAST_FRAGMENT, 1, 0, data.tobytes())[0],
+            "NON_FINITE_VALUE",
+            "NonFinite",
+        )
+    )
+
+    s = started(S_BF16, "bf16 final")
+    cut = [s.fragment_values(0), s.fragment_values(1)]
+    s.receive(s.final(0, 4, cut[0]))
+    s.receive(s.final(1, 3, cut[1]))
+    s.receive(final_manifest(4, [4, 3])[0], s.apply_final(4, cut))
+    s.final_applied(4)
+    tests.append(
+        s.completed(
+            "§ 6: FINAL_FRAGMENT is f32 even in a bf16 session; the cut is applied as sent",
+            "Normal",
+        )
+    )
+    return tests
+
+
+def learner_q4_tests() -> list[Json]:
+    """q4 (fragments of 257 and 4 values): BCAST in bf16, PUSH in q4 blocks (§ 6)."""
+    s = LearnerScript(S_Q4, "q4")
+    s.connect(1)
+    s.broadcast(1, 2)
+    s.train(12, 13, 14)
+    s.pull(1, 3)
+    s.answer(s.push(1, 3, base=2, local_step=3, c_steps=3, c_tokens=39))
+    return [
+        s.completed(
+            "§ 6: in a q4 session the BCAST is bf16 and the PUSH carries local − anchor as q4 "
+            "blocks (one 132-byte block, zero-padded)",
+            "Padding",
+        )
+    ]
+
+
+def learner_init_tests() -> list[Json]:
+    """Learner 0 in the bf16 session: INIT_PARAMS (§ 2)."""
+    s = LearnerScript(S_BF16, "init", learner_id=0)
+    s.connect(1, init=[0, 1])
+    s.broadcast(0, 0)
+    s.connection_lost()
+    s.train(5)
+    s.connect(2, init=[1])
+    tests = [
+        s.completed(
+            "§ 2: after its HELLO, learner 0 sends INIT_PARAMS of every fragment it holds no "
+            "anchor of, its local values in the bulk dtype (bf16); on a redial only those still "
+            "without an anchor",
+            "Reconnect",
+            "Rounding",
+        )
+    ]
+    s = LearnerScript(S_BF16, "init nan", learner_id=0)
+    s.params[1] = with_value(s.params[1], 0, math.nan)
+    s.initial = [f32_bytes(values).hex() for values in s.params]
+    tests.append(
+        s.fails(
+            "§ 2: an INIT must be finite: a learner 0 holding a NaN does not send it",
+            {"event": "connect", "generation": 1, "num_streams": 0},
+            "NON_FINITE_VALUE",
+            "NonFinite",
+        )
+    )
+    return tests
+
+
+def learner_budget_tests() -> list[Json]:
+    """spec/learner.md § 10 with B = 3 in the f32 session."""
+    s = LearnerScript(S_F32, "budget")
+    s.connect(1)
+    s.train(5)
+    s.broadcast(0, 0)
+    s.broadcast(1, 0)
+    s.train(10, 20)
+    s.pull(0, 2)
+    s.budget_done(LEARNER_BUDGET)
+    s.answer()
+    s.broadcast(0, 1, blend=False)
+    s.connection_lost()
+    s.connect(2)
+    s.pull(0, 5)
+    s.pull(1, 6)
+    s.answer()
+    s.broadcast(0, 4, blend=False)
+    s.answer(s.push(0, 5, base=4, local_step=3, c_steps=3, c_tokens=35))
+    tests = [
+        s.completed(
+            "§ 10: after exactly B steps, BUDGET_DONE(B); pending pulls are dropped and BCASTs "
+            "are no longer blended; a dropped group drops the anchors, so after the redial a "
+            "pull waits for the restarted syncer's BCAST, and the frozen PUSH carries "
+            "frozen − anchor, local_step = c_steps = B and every token of the B steps",
+            "Frozen",
+            "Reconnect",
+            "Deferred",
+        )
+    ]
+    s = LearnerScript(S_F32, "budget same connection")
+    s.connect(1)
+    s.broadcast(0, 0)
+    s.broadcast(1, 0)
+    s.train(10, 20, 30)
+    s.budget_done(LEARNER_BUDGET)
+    s.pull(0, 4)
+    s.answer()
+    tests.append(
+        s.completed(
+            "§ 10 (choice): a PULL that reaches a frozen learner on the connection that carried "
+            "its BUDGET_DONE is not answered",
+            "Frozen",
+        )
+    )
+    return tests
+
+
+def learner_session_file() -> Json:
+    f32_tests = [
+        *learner_broadcast_tests(),
+        *learner_pull_tests(),
+        *learner_final_tests(),
+        *learner_reconnect_tests(),
+        *learner_misc_tests(),
+    ]
+    learner = S_F32.context("learner", learner_id=SCRIPT_LEARNER)
+    return vector_file(
+        "learner_session",
+        [
+            "The learner's protocol behaviour (spec/learner.md): a learner with the context's",
+            "identity (its HELLO) runs the script's events in order, each with exactly the effects",
+            "listed; a fatal test then runs one more event, which stops the learner with code.",
+        ],
+        [
+            learner_group(learner, f32_tests),
+            learner_group(
+                S_BF16.context("learner", learner_id=SCRIPT_LEARNER), learner_bf16_tests()
+            ),
+            learner_group(S_Q4.context("learner", learner_id=SCRIPT_LEARNER), learner_q4_tests()),
+            learner_group(S_BF16.context("learner", learner_id=0), learner_init_tests()),
+            learner_group(
+                S_F32.context(
+                    "learner", learner_id=SCRIPT_LEARNER, learner_budget_steps=LEARNER_BUDGET
+                ),
+                learner_budget_tests(),
+            ),
+        ],
+    )
+
+
+def learner_group(context: Json, tests: list[Json]) -> Json:
+    return {"type": "LearnerSessionTest", "context": context, "tests": tests}
+
+
 # -- identity ------------------------------------------------------------------------------------
 
 NAMED_LAYOUTS: list[tuple[str, NamedLayout, tuple[str, ...]]] = [
@@ -4713,6 +5800,7 @@ FILES: dict[str, Callable[[], Json]] = {
     "admission.json": admission_file,
     "push_acceptance.json": push_acceptance_file,
     "syncer_session.json": syncer_session_file,
+    "learner_session.json": learner_session_file,
     "data_hello.json": data_hello_file,
     "init_params.json": init_params_file,
     "pull_req.json": pull_req_file,

@@ -27,6 +27,15 @@ import jsonschema  # type: ignore[import-untyped]
 import numpy as np
 import pytest
 
+from yeto_learn.session import (
+    AnchorRecorded,
+    ApplyBroadcast,
+    ApplyFinal,
+    Effect,
+    LearnerSession,
+    SendMessage,
+    ShutdownReceived,
+)
 from yeto_proto import (
     CLOSED,
     NEED_DATA,
@@ -226,7 +235,7 @@ class Case:
 
 
 #: Group types whose ``context`` describes a decoder (:class:`Context`).
-DECODER_GROUPS = ("FrameTest", "ChunkSequenceTest")
+DECODER_GROUPS = ("FrameTest", "ChunkSequenceTest", "LearnerSessionTest")
 
 
 def cases(group_type: str) -> list[Case]:
@@ -916,6 +925,11 @@ def decode_on_group(frame: bytes, limits: Limits, num_learners: int) -> AnyMessa
     decoder = FrameDecoder(
         Role.SYNCER, limits=limits, num_learners=num_learners, enforce_first_frame=False
     )
+    return decode_one(decoder, frame)
+
+
+def decode_one(decoder: FrameDecoder, frame: bytes) -> AnyMessage:
+    """``frame`` fed to ``decoder``: exactly one message (or the decoder's error, raised)."""
     decoder.feed(frame)
     message = decoder.next_frame()
     assert not isinstance(message, DecoderState), message
@@ -1080,3 +1094,123 @@ def test_syncer_session(case: Case) -> None:
     assert [a for i, a in enumerate(after) if i != fragment] == [
         b for i, b in enumerate(before) if i != fragment
     ]
+
+
+# -- learner session -----------------------------------------------------------------------------
+
+F32Values = np.ndarray[Any, np.dtype[np.float32]]
+
+
+def sent_json(message: AnyMessage) -> Json:
+    return {"effect": "send", "hex": encode_bytes(message).hex()}
+
+
+def effect_json(effect: Effect) -> Json | None:
+    """An effect in the vector files' form; ``None`` for yeto's informational AnchorRecorded
+    (frozen mode: nothing to carry out; the anchor shows in later PUSHes)."""
+    match effect:
+        case ApplyBroadcast():
+            return {
+                "effect": "apply_broadcast",
+                "fragment": effect.fragment_id,
+                "version": effect.version,
+                "f32": effect.global_params.astype("<f4").tobytes().hex(),
+            }
+        case ApplyFinal():
+            return {
+                "effect": "apply_final",
+                "final_global_step": effect.final_global_step,
+                "f32": [values.astype("<f4").tobytes().hex() for values in effect.fragments],
+            }
+        case SendMessage():
+            return sent_json(effect.message)
+        case ShutdownReceived():
+            return {"effect": "shutdown"}
+        case AnchorRecorded():
+            return None
+    raise AssertionError(f"unexpected effect {effect!r}")
+
+
+class LearnerDriver:
+    """A LearnerSession with the context's identity, driven by script events; the learner's
+    parameters are what the script says (this driver blends nothing itself)."""
+
+    def __init__(self, context: Context, params: list[str]) -> None:
+        assert context.session_hello is not None
+        hello = decode_first_hello(context.session_hello, None)
+        self.context = context
+        self.session = LearnerSession(
+            hello.layout,
+            hello.dtype,
+            hello.learner_id,
+            layout_fingerprint=hello.layout_fingerprint,
+            session_contract=hello.session_contract,
+            profile_hash=hello.profile_hash,
+            budget_steps=context.learner_budget_steps,
+        )
+        self.params = [f32_of(values).copy() for values in params]
+        self.final: ApplyFinal | None = None
+
+    def read(self, fragment: int) -> F32Values:
+        return self.params[fragment]
+
+    def run(self, event: Json) -> list[Json]:
+        """Carry out one event; its effects in the vector form. A fatal error is raised."""
+        session = self.session
+        match event["event"]:
+            case "connect":
+                hello = session.hello(event["num_streams"], generation=event["generation"])
+                sent: list[AnyMessage] = [hello, *session.data_hellos()]
+                if session.learner_id == 0:
+                    sent += session.init_messages(self.read)
+                return [sent_json(message) for message in sent]
+            case "receive":
+                message = decode_one(self.context.decoder(), bytes.fromhex(event["hex"]))
+                effects = session.receive(message)
+                if session.error is not None:
+                    raise session.error  # ERROR: yeto returns SyncerFailed and fails the session
+                for effect in effects:
+                    if isinstance(effect, ApplyFinal):
+                        self.final = effect
+                return [out for effect in effects if (out := effect_json(effect)) is not None]
+            case "applied":
+                self.params[event["fragment"]] = f32_of(event["params"]).copy()
+                session.broadcast_applied(event["fragment"], event["version"])
+                return []
+            case "train":
+                for tokens in event["tokens"]:
+                    session.record_step(tokens)
+                self.params = [f32_of(values).copy() for values in event["params"]]
+                return []
+            case "answer_pulls":
+                return [sent_json(push) for push in session.answer_pulls(self.read)]
+            case "final_applied":
+                step = event["final_global_step"]
+                assert self.final is not None and self.final.final_global_step == step
+                self.params = [values.copy() for values in self.final.fragments]
+                ack = session.final_applied(step)
+                return [] if ack is None else [sent_json(ack)]
+            case "connection_lost":
+                session.connection_lost()
+                return []
+            case "heartbeat":
+                return [sent_json(session.heartbeat())]
+            case "budget_done":
+                return [sent_json(session.budget_done())]
+        raise AssertionError(f"unknown script event {event['event']}")
+
+
+@params(cases("LearnerSessionTest"))
+def test_learner_session(case: Case) -> None:
+    """Run ``script`` through a LearnerSession, each event with exactly its ``effects``; a
+    fatal test's ``event`` then stops the learner with ``code``."""
+    assert case.context is not None
+    driver = LearnerDriver(case.context, case.test["params"])
+    for index, event in enumerate(case.test["script"]):
+        got = driver.run(event)
+        assert got == event.get("effects", []), f"script[{index}] ({event['event']}): {got}"
+    if case.result == "completed":
+        return
+    with pytest.raises(ProtocolError) as caught:
+        driver.run(case.test["event"])
+    assert caught.value.code.value == case.code, caught.value
