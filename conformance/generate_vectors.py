@@ -5457,6 +5457,20 @@ def learner_misc_tests() -> list[Json]:
                 "Direction",
             )
         )
+    # Appended here, after the other groups' tests, so that earlier tcIds keep their meaning.
+    s = started(S_F32, "equal nan")
+    theta = s.fragment_values(0)
+    s.broadcast(0, 3, theta)
+    tests.append(
+        s.fails_on(
+            "§ 3: the same version again with a NaN: the tensor is decoded and checked before "
+            "its bytes are compared, so NON_FINITE_VALUE, not BCAST_CONFLICT",
+            s.bcast(0, 3, with_value(theta, 1, math.nan)),
+            "NON_FINITE_VALUE",
+            "NonFinite",
+            "CheckOrder",
+        )
+    )
     return tests
 
 
