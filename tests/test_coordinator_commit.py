@@ -14,7 +14,7 @@ from yeto_proto.constants import IsoBackend, MergeMode
 from yeto_proto.layout import WireFragment, WireLayout
 from yeto_proto.messages import BcastFragment, PullReq
 from yeto_sync.config import SyncerConfig
-from yeto_sync.events import AppendTape, Exit, Send, WriteCheckpoint
+from yeto_sync.events import AppendTape, Exit, Log, Send, WriteCheckpoint
 from yeto_sync.merge import F32Array, MergeError
 
 LAYOUT3 = avg_layout((4,), (3, 2), (5,))
@@ -75,6 +75,18 @@ def test_merge_tape_line_has_the_pinned_fields() -> None:
             }
             assert responder["weight"] == responder["c_tokens"] ** 2 / responder["c_steps"]
         assert record["gnorm"] > 0
+
+
+def test_a_round_where_every_response_weighs_nothing_is_logged() -> None:
+    sim = Sim(SyncerConfig(learners=1, total_steps=2), LAYOUT3)
+    (a,) = sim.start(auto=False)
+    pull = sim.sends_to(a.key, PullReq)[0]
+    actions = sim.message(a.key, a.push_for(pull, c_tokens=0))
+    (merge,) = sim.merges  # pinned: Δ = 0, and the outer step still runs
+    assert merge["responders"][0]["weight"] == 0
+    warnings = [x for x in actions if isinstance(x, Log) and x.level == "warning"]
+    assert [w.text for w in warnings] == ["round weighs nothing"]
+    assert "c_tokens = 0" in warnings[0].fields["reason"]
 
 
 @pytest.mark.parametrize(("every", "steps"), [(1, [1, 2, 3, 4, 5]), (2, [2, 4]), (8, [])])

@@ -915,6 +915,21 @@ class Coordinator:
             done, merged, sync_s=sync_s, merge_mode=slot.geometry.merge_mode.name.lower()
         )
         out.append(AppendTape(record))
+        if merged.weights and not sum(merged.weights) > 0.0:
+            # Pinned: Δ = 0 and the outer step still runs. Almost surely a learner bug (a
+            # training loop that reports no tokens), so it must not pass unnoticed.
+            out.append(
+                Log(
+                    "warning",
+                    "round weighs nothing",
+                    {
+                        "step": done.step,
+                        "fragment": done.fragment,
+                        "reason": "every response has c_tokens = 0: the merge moved only "
+                        "momentum; do the learners report their tokens?",
+                    },
+                )
+            )
         out.append(
             Log(
                 "info",
