@@ -162,6 +162,21 @@ def test_a_learner_that_fails_to_start_closes_its_client_once(
     assert len(closes) == 1  # each close waits for the thread again
 
 
+def test_a_bug_in_the_network_thread_reaches_the_training_loop(
+    monkeypatch: pytest.MonkeyPatch, make_client: list[SyncerClient]
+) -> None:
+    async def broken(self: SyncerClient) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(SyncerClient, "_connection_loop", broken)
+    client = SyncerClient(ClientConfig("127.0.0.1", free_port(), num_streams=0), HELLO, LIMITS)
+    make_client.append(client)
+    client.start()
+    item = client.wait(5.0)  # it used to end silently: the learner then blamed the network
+    assert isinstance(item, ClientFailed)
+    assert "network thread failed: RuntimeError('a bug')" in str(item.error)
+
+
 def test_an_interrupted_poll_still_frees_what_it_took(monkeypatch: pytest.MonkeyPatch) -> None:
     client = SyncerClient(ClientConfig("127.0.0.1", free_port(), num_streams=0), HELLO, LIMITS)
     for step in (1, 2):

@@ -7,6 +7,7 @@ import pytest
 from yeto_learn.model_layout import (
     FragmentPattern,
     build_layout,
+    most_fragments,
     normalize_name,
     session_contract,
 )
@@ -76,9 +77,26 @@ def test_matrix_merge_separates_matrices_from_the_rest() -> None:
     assert all(len(f.matrix_shapes) == len(f.numels) for f in iso)
 
 
-def test_more_fragments_than_tensors_yields_no_empty_fragment() -> None:
-    layout = build_layout(SHAPES[:2], fragments=8)
-    assert len(layout.fragments) == 2
+def test_more_fragments_than_tensors_are_refused_not_quietly_fewer() -> None:
+    # A tensor is never split; a schedule planned for 8 fragments would be wrong for 2.
+    assert most_fragments(SHAPES[:2]) == 2
+    assert len(build_layout(SHAPES[:2], fragments=2).fragments) == 2
+    with pytest.raises(ValueError, match="at most 2"):
+        build_layout(SHAPES[:2], fragments=8)
+
+
+def test_rda_and_iso_need_a_fragment_for_the_non_matrix_parameters() -> None:
+    shapes = [("w", (3, 4)), ("b", (4,)), ("v", (4, 4))]
+    assert most_fragments(shapes, MergeMode.RDA) == 3
+    with pytest.raises(ValueError, match="fragments >= 2"):
+        build_layout(shapes, fragments=1, matrix_merge=MergeMode.RDA)  # used to become avg
+    with pytest.raises(ValueError, match="at most 3"):
+        build_layout(shapes, fragments=4, matrix_merge=MergeMode.ISO)
+    modes = [
+        f.merge_mode
+        for f in build_layout(shapes, fragments=2, matrix_merge=MergeMode.RDA).fragments
+    ]
+    assert sorted(m.name for m in modes) == ["AVG", "RDA"]
 
 
 def test_duplicate_normalized_names_are_refused() -> None:

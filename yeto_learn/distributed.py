@@ -8,7 +8,10 @@ every :meth:`Learner.step` the ranks meet twice:
    take the optimizer step together, so the step counts once with the summed tokens.
 2. ``run_plan``: rank 0 broadcasts a small header (status, what to apply, an error text) and
    then, fragment by fragment, the f32 values to apply; every rank applies them in the same
-   order with the same torch ops, so the replicas stay bit-identical.
+   order with the same torch ops, so the replicas stay bit-identical. Rank 0 then answers the
+   syncer from the applied state (``after``) and broadcasts whether that failed, so that a
+   failure there (a non-finite delta, say) reaches every rank in the same step instead of
+   leaving the others blocked in the next collective.
 
 ``SoloLink`` is the same contract for a single process (no collectives).
 """
@@ -63,6 +66,12 @@ class Plan:
 
 
 ApplyFn = Callable[[Apply, torch.Tensor], None]
+#: Rank 0's work after every rank applied the plan (confirm blends, answer pulls).
+AfterFn = Callable[[Plan], None]
+
+
+class LeaderFailed(Exception):
+    """Raised on the other ranks when rank 0 failed after applying a plan (its error text)."""
 
 
 class RankLink(Protocol):
@@ -74,7 +83,7 @@ class RankLink(Protocol):
 
     def sum_tokens(self, tokens: int) -> int: ...
 
-    def run_plan(self, plan: Plan | None, apply: ApplyFn) -> Plan: ...
+    def run_plan(self, plan: Plan | None, apply: ApplyFn, after: AfterFn) -> Plan: ...
 
 
 def readonly_tensor(values: NDArray[np.float32]) -> torch.Tensor:
@@ -98,11 +107,12 @@ class SoloLink:
     def sum_tokens(self, tokens: int) -> int:
         return tokens
 
-    def run_plan(self, plan: Plan | None, apply: ApplyFn) -> Plan:
+    def run_plan(self, plan: Plan | None, apply: ApplyFn, after: AfterFn) -> Plan:
         assert plan is not None, "the leader always has a plan"
         for item in plan.applies:
             assert item.values is not None
             apply(item, readonly_tensor(item.values))
+        after(plan)
         return plan
 
 
@@ -153,7 +163,39 @@ class TorchDistributedLink:
         self._dist.all_reduce(total, op=self._dist.ReduceOp.SUM, group=self._group)
         return int(total.item())
 
-    def run_plan(self, plan: Plan | None, apply: ApplyFn) -> Plan:
+    def run_plan(self, plan: Plan | None, apply: ApplyFn, after: AfterFn) -> Plan:
+        result = self._share_and_apply(plan, apply)
+        failure: BaseException | None = None
+        error = b""
+        if self.is_leader:
+            try:
+                after(result)
+            except BaseException as exc:  # every rank hears of it before rank 0 raises it
+                failure = exc
+                error = (str(exc) or type(exc).__name__).encode("utf-8")[:_MAX_ERROR_BYTES]
+        outcome = torch.tensor(
+            [int(failure is not None), len(error)], dtype=torch.int64, device=self.device
+        )
+        self._broadcast(outcome)
+        failed, error_len = (int(v) for v in outcome.tolist())
+        text = self._broadcast_text(error, error_len)
+        if failure is not None:
+            raise failure
+        if failed:
+            raise LeaderFailed(text)
+        return result
+
+    def _broadcast_text(self, text: bytes, length: int) -> str:
+        """Rank 0's ``text`` of ``length`` bytes on every rank."""
+        if not length:
+            return ""
+        buffer = torch.zeros(length, dtype=torch.uint8, device=self.device)
+        if self.is_leader:
+            buffer[:] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        self._broadcast(buffer)
+        return bytes(buffer.cpu().numpy().tobytes()).decode("utf-8", "replace")
+
+    def _share_and_apply(self, plan: Plan | None, apply: ApplyFn) -> Plan:
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         error = b""
         if self.is_leader:
@@ -170,14 +212,10 @@ class TorchDistributedLink:
             )
         if count:
             self._broadcast(items)
-        if error_len:
-            text = torch.zeros(error_len, dtype=torch.uint8, device=self.device)
-            if self.is_leader:
-                text[:] = torch.frombuffer(bytearray(error), dtype=torch.uint8)
-            self._broadcast(text)
-            error = bytes(text.cpu().numpy().tobytes())
         received = Plan(
-            PlanStatus(status), error=error.decode("utf-8", "replace"), global_step=global_step
+            PlanStatus(status),
+            error=self._broadcast_text(error, error_len),
+            global_step=global_step,
         )
         for kind, fragment_id in items.tolist():
             buffer = self._buffer(fragment_id)

@@ -25,7 +25,9 @@ collective: every rank calls them.
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
+import logging
 import operator
 import os
 import threading
@@ -34,7 +36,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 import torch
@@ -51,10 +53,17 @@ from yeto_proto import (
     WireDtype,
 )
 from yeto_proto.checkpoint import atomic_replace, write_bytes_atomically
+from yeto_proto.constants import MAX_STREAMS
 
 from .artifact_files import LAYOUT_FILE, RUN_ID_FILE, STATE_FILE, SUMMARY_FILE
-from .distributed import Apply, ApplyKind, Plan, PlanStatus, RankLink, rank_link
-from .model_layout import FragmentPattern, build_layout, normalize_name, session_contract
+from .distributed import Apply, ApplyKind, LeaderFailed, Plan, PlanStatus, RankLink, rank_link
+from .model_layout import (
+    FragmentPattern,
+    build_layout,
+    most_fragments,
+    normalize_name,
+    session_contract,
+)
 from .session import (
     AnchorRecorded,
     ApplyBroadcast,
@@ -107,10 +116,25 @@ class _FragmentParams:
 
     def __init__(self, layout: Layout, params: Mapping[str, torch.nn.Parameter]) -> None:
         self.numels = layout.wire().numels
+        self._tracked = dict(params)
         self._members: list[list[tuple[torch.nn.Parameter, int, int]]] = []
         for placed in layout.offsets():
             self._members.append([(params[t.name], at, t.numel) for t, at in placed])
         self._scratch = [torch.empty(n, dtype=torch.float32) for n in self.numels]
+
+    def check_still_in(self, model: torch.nn.Module) -> None:
+        """Refuse to go on once ``model`` no longer holds the parameter objects the layout
+        was built from: blends, pushes and the final state would all go to dead tensors."""
+        current = {normalize_name(n): p for n, p in model.named_parameters()}
+        for name, param in self._tracked.items():
+            if current.get(name) is not param:
+                what = "is gone from" if name not in current else "was replaced in"
+                raise LearnerError(
+                    f"parameter {name!r} {what} the model after the Learner was built "
+                    "(load_state_dict(..., assign=True), a new nn.Parameter, a resize): its "
+                    "updates would never reach the syncer. Load weights in place (copy_, or "
+                    "load_state_dict without assign), or build the Learner afterwards."
+                )
 
     def read(self, fragment_id: int) -> NDArray[np.float32]:
         """Fragment values in a reusable buffer (valid until the next read of the fragment)."""
@@ -145,6 +169,56 @@ class _FragmentParams:
 def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """Named trainable parameters with wrapper components (DDP ``module.``…) removed."""
     return {normalize_name(n): p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def synced_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The trainable parameters a learner syncs: all but empty ones (nothing to sync).
+
+    Refuses what it cannot sync, naming the parameter: meta tensors (no values yet) and
+    DTensors (FSDP2, tensor parallel: each rank holds a shard, while the ranks of a learner
+    must hold full replicas, as under DDP).
+    """
+    params: dict[str, torch.nn.Parameter] = {}
+    for name, param in trainable_parameters(model).items():
+        if param.is_meta:
+            raise ValueError(
+                f"parameter {name!r} is on the meta device: materialize the model (to_empty() "
+                "and initialize, or load weights) before building the Learner"
+            )
+        if _is_dtensor(param):
+            raise ValueError(
+                f"parameter {name!r} is a DTensor (FSDP2 or tensor parallel): the ranks of a "
+                "learner must hold full replicas (plain or DDP); sharded models are not "
+                "supported"
+            )
+        if param.numel():
+            params[name] = param
+    if not params:
+        raise ValueError("the model has no trainable parameter with values to sync")
+    return params
+
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _is_dtensor(param: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support has none
+        return False
+    return isinstance(param, DTensor) or isinstance(param.data, DTensor)
+
+
+def _choice(kind: type[_E], value: str | _E, what: str) -> _E:
+    """An enum member, from itself or its name in any case; else a ValueError naming the
+    choices."""
+    if isinstance(value, kind):
+        return value
+    for member in kind:
+        if str(value).lower() == member.name.lower():
+            return member
+    choices = ", ".join(member.name.lower() for member in kind)
+    raise ValueError(f"{what} must be one of {choices}, got {value!r}")
 
 
 def _wire_dtype(value: str | WireDtype) -> WireDtype:
@@ -200,7 +274,7 @@ class Learner:
         syncer: str,
         learner_id: int,
         num_learners: int,
-        fragments: int = 8,
+        fragments: int | None = None,
         wire_dtype: str | WireDtype = "f32",
         fragment_pattern: str | FragmentPattern = FragmentPattern.BALANCED,
         matrix_merge: str | MergeMode = MergeMode.AVG,
@@ -211,7 +285,7 @@ class Learner:
         resume: bool = False,
         experiment: Mapping[str, Any] | None = None,
         profile_hash: bytes | None = None,
-        hello_key: bytes | None = None,
+        hello_key: bytes | str | None = None,
         connect_timeout: float = 60.0,
         reconnect_timeout: float = 120.0,
         finish_timeout: float = 600.0,
@@ -225,6 +299,10 @@ class Learner:
             raise ValueError(f"budget_steps must be in 1..2^32-1, got {budget_steps}")
         if not 0.0 <= merge_alpha <= 1.0:
             raise ValueError(f"merge_alpha must be in [0, 1], got {merge_alpha}")
+        if not 0 <= streams <= MAX_STREAMS:
+            raise ValueError(f"streams must be in 0..{MAX_STREAMS}, got {streams}")
+        if isinstance(hello_key, str):  # as yeto-sync reads $YETO_ISLAND_HMAC_KEY: its UTF-8
+            hello_key = hello_key.encode("utf-8")
         self.model = model
         self.learner_id = learner_id
         self.num_learners = num_learners
@@ -240,15 +318,13 @@ class Learner:
         #: The epoch of a BUDGET_DONE that came back unsent (no byte of it was written).
         self._unsent_budget_epoch: int | None = None
 
-        params = trainable_parameters(model)
-        pattern = FragmentPattern(fragment_pattern)
-        merge = MergeMode[matrix_merge.upper()] if isinstance(matrix_merge, str) else matrix_merge
-        self.layout = build_layout(
-            ((name, tuple(p.shape)) for name, p in params.items()),
-            fragments=fragments,
-            pattern=pattern,
-            matrix_merge=merge,
-        )
+        params = synced_parameters(model)
+        pattern = _choice(FragmentPattern, fragment_pattern, "fragment_pattern")
+        merge = _choice(MergeMode, matrix_merge, "matrix_merge")
+        shapes = [(name, tuple(p.shape)) for name, p in params.items()]
+        if fragments is None:
+            fragments = min(DEFAULT_FRAGMENTS, most_fragments(shapes, merge))
+        self.layout = build_layout(shapes, fragments=fragments, pattern=pattern, matrix_merge=merge)
         self._params = _FragmentParams(self.layout, params)
         identity = {
             "fragments": fragments,
@@ -280,6 +356,7 @@ class Learner:
         self.final_ready = False
         self.final_global_step: int | None = None
         self._pushes = 0
+        self._starved_warned = False
         self._applied = 0
         self._global_step = 0
         self._tokens = 0
@@ -292,7 +369,6 @@ class Learner:
             )
             if self.out_dir is not None:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
-                _write_text_atomically(self.out_dir / RUN_ID_FILE, self.run_id + "\n")
             self.contract = session_contract(
                 self.layout, self.dtype, run_id=self.run_id, experiment=identity
             )
@@ -338,6 +414,10 @@ class Learner:
         except BaseException:
             self._close_client()
             raise
+        if self.is_leader and self.out_dir is not None:
+            # Only a started session makes this directory one that "ran" the id: a learner
+            # that never reached its syncer may be started again with the same command.
+            _write_text_atomically(self.out_dir / RUN_ID_FILE, self.run_id + "\n")
 
     def _start_timeout_error(self) -> LearnerError:
         assert self._client is not None
@@ -350,14 +430,18 @@ class Learner:
         )
 
     # -- the training loop's API -----------------------------------------------------------
-    def step(self, tokens: int = 0) -> None:
+    def step(self, tokens: int) -> None:
         """Record one local optimizer step over ``tokens`` raw units; apply what arrived.
 
-        Never waits on the network. Under torchrun it is collective (every rank calls it with
-        its own tokens; they are summed).
+        ``tokens`` weighs this learner's pushes (``c_tokens² / c_steps`` by default), so it has
+        no default: a learner reporting 0 tokens contributes nothing to any merge. Never waits
+        on the network. Under torchrun it is collective (every rank calls it with its own
+        tokens; they are summed).
         """
         with self._one_caller():
             self._usable()
+            if self._local_step % _OWNERSHIP_CHECK_STEPS == 0:  # a module walk: not every step
+                self._params.check_still_in(self.model)
             if self.budget_reached:
                 raise LearnerError(
                     f"the budget of {self.budget_steps} local steps is reached: call finish()"
@@ -372,7 +456,7 @@ class Learner:
                     plan = self._plan(self._client_items(0.0))
                 except BaseException as exc:  # every rank must hear of it before anyone raises
                     error = exc
-                    plan = Plan(PlanStatus.FAILED, error=str(exc))
+                    plan = Plan(PlanStatus.FAILED, error=_failure_text(exc))
             self._run(plan, error)
             self._local_step += 1
             self._tokens += total
@@ -386,6 +470,7 @@ class Learner:
         """
         with self._one_caller():
             self._usable()
+            self._params.check_still_in(self.model)
             if self.budget_reached and not self.budget_reported:
                 self.report_budget()
             limit = self.finish_timeout if timeout is None else timeout
@@ -397,6 +482,7 @@ class Learner:
                     f"the syncer at {self.syncer_address} did not complete finalization "
                     f"within {limit:g} s (final state "
                     f"{'applied' if self.final_global_step else 'missing'})"
+                    + self._starved_pulls_note()
                 ),
                 finishing=True,
             )
@@ -469,6 +555,23 @@ class Learner:
         """Every connection generation this learner dialed (rank 0 only)."""
         return list(self._client.generations) if self._client is not None else []
 
+    def _starved_pulls_note(self) -> str:
+        if self._session is None or not (starved := self._session.pulls_awaiting_a_step()):
+            return ""
+        return (
+            f"; the syncer still pulls fragments {starved}, which this learner cannot answer "
+            "without training: finish() was called before learner.final_ready, so keep "
+            "calling step() until final_ready is True"
+        )
+
+    def _warn_of_starved_pulls(self) -> None:
+        """Once per finish(): a learner that stopped training too early stalls the rounds
+        (with --quorum M, every learner's); say so now rather than at the timeout."""
+        if self._starved_warned or not (note := self._starved_pulls_note()):
+            return
+        self._starved_warned = True
+        _log.warning("yeto learner %d: waiting in finish()%s", self.learner_id, note)
+
     # -- one turn of the protocol -----------------------------------------------------------
     def _service_until(
         self,
@@ -494,34 +597,41 @@ class Learner:
                         plan = self._plan(items)
                         if finishing and self._final is not None:
                             plan.applies += self._final_applies(self._final)
+                        if finishing:
+                            self._warn_of_starved_pulls()
                 except BaseException as exc:
                     error = exc
-                    plan = Plan(PlanStatus.FAILED, error=str(exc))
+                    plan = Plan(PlanStatus.FAILED, error=_failure_text(exc))
             plan = self._run(plan, error)
             if plan.status is PlanStatus.DONE:
                 return
 
     def _run(self, plan: Plan | None, error: BaseException | None) -> Plan:
-        """Share ``plan`` with every rank, apply it, then let rank 0 confirm and answer."""
+        """Share ``plan`` with every rank, apply it, then let rank 0 confirm and answer.
+
+        Any failure on the way (a plan that failed on rank 0, an interrupt while the
+        parameters were half blended, rank 0 failing to answer) ends the learner on every
+        rank: what it holds no longer matches what the session believes.
+        """
         if plan is not None:
             plan.global_step = self._global_step
-        plan = self._link.run_plan(plan, self._apply)
+        try:
+            plan = self._link.run_plan(plan, self._apply, self._after_apply)
+        except LeaderFailed as exc:
+            self._fail(LearnerError(f"rank 0 of this learner failed: {exc}"))
+        except BaseException as exc:
+            self._fail(exc)
         self._global_step = plan.global_step
         if plan.status is PlanStatus.FAILED:
-            failure = error if error is not None else LearnerError(plan.error)
-            self._failed = failure
-            self._close_client()
-            raise failure
+            self._fail(error if error is not None else LearnerError(plan.error))
         if plan.status is PlanStatus.FINAL_READY:
             self.final_ready = True
-        if self.is_leader:
-            try:
-                self._after_apply(plan)
-            except BaseException as exc:
-                self._failed = exc
-                self._close_client()
-                raise
         return plan
+
+    def _fail(self, failure: BaseException) -> NoReturn:
+        self._failed = failure
+        self._close_client()
+        raise failure
 
     def _apply(self, item: Apply, values: torch.Tensor) -> None:
         self._params.apply(item, values, self.merge_alpha)
@@ -602,6 +712,8 @@ class Learner:
 
     def _after_apply(self, plan: Plan) -> None:
         """Rank 0, after every rank applied ``plan``: confirm to the session, then answer."""
+        if plan.status is PlanStatus.FAILED:
+            return
         session = self._leader_session()
         for p, version in self._confirm:
             session.broadcast_applied(p, version)
@@ -666,6 +778,21 @@ class Learner:
             "layout": LAYOUT_FILE,
         }
         _write_text_atomically(self.out_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+
+
+_log = logging.getLogger("yeto_learn")
+
+#: Fragments when the caller names none (fewer when the model has fewer tensors).
+DEFAULT_FRAGMENTS = 8
+
+#: Steps between checks that the model still holds the tracked parameter objects (the check
+#: walks every module, about 1 ms for 300 modules); finish() always checks.
+_OWNERSHIP_CHECK_STEPS = 32
+
+
+def _failure_text(exc: BaseException) -> str:
+    """What the other ranks are told of rank 0's failure (an interrupt has no message)."""
+    return str(exc) or f"{type(exc).__name__} on rank 0"
 
 
 def _checked_tokens(tokens: int) -> int:

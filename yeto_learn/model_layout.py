@@ -1,8 +1,10 @@
 """From a torch model's trainable parameters to a named fragment layout, and a session contract.
 
 Names are normalized so that the same model wrapped by DDP, FSDP or ``torch.compile`` yields the
-same layout (and so the same fingerprint). Matrices (ndim >= 2) can merge with rda or iso; a
-fragment has one merge mode, so matrices and the rest are packed into separate fragments.
+same layout (and so the same fingerprint); the learner itself syncs full replicas only (no
+sharded DTensors). Matrices (ndim >= 2) can merge with rda or iso; a fragment has one merge
+mode, so matrices and the rest are packed into separate fragments. A tensor is never split:
+a model of n tensors has at most n fragments.
 """
 
 from __future__ import annotations
@@ -94,6 +96,26 @@ def _pack(
     return [[tensors[i] for i in group] for group in chosen if group]
 
 
+def _separates_matrices(tensors: Sequence[NamedShape], matrix_merge: MergeMode) -> bool:
+    """rda/iso give matrices fragments of their own when there are other parameters too."""
+    kinds = {t.is_matrix for t in tensors}
+    return MergeMode(matrix_merge) is not MergeMode.AVG and kinds == {True, False}
+
+
+def _most_fragments(tensors: Sequence[NamedShape], matrix_merge: MergeMode) -> int:
+    if _separates_matrices(tensors, matrix_merge):
+        return sum(t.is_matrix for t in tensors) + 1
+    return len(tensors)
+
+
+def most_fragments(
+    named_shapes: Iterable[tuple[str, Sequence[int]]], matrix_merge: MergeMode = MergeMode.AVG
+) -> int:
+    """The most fragments :func:`build_layout` can make of these tensors (none is split)."""
+    tensors = [NamedShape(n, tuple(int(d) for d in s)) for n, s in named_shapes]
+    return _most_fragments(tensors, matrix_merge)
+
+
 def build_layout(
     named_shapes: Iterable[tuple[str, Sequence[int]]],
     *,
@@ -115,7 +137,21 @@ def build_layout(
     matrix_merge = MergeMode(matrix_merge)
     matrices = [t for t in tensors if t.is_matrix]
     others = [t for t in tensors if not t.is_matrix]
-    if matrix_merge is MergeMode.AVG or not matrices or not others or fragments == 1:
+    separate = _separates_matrices(tensors, matrix_merge)
+    if separate and fragments == 1:
+        raise ValueError(
+            f"matrix_merge={matrix_merge.name.lower()} needs fragments >= 2 for this model: its "
+            f"{len(others)} non-matrix parameters go into an avg fragment of their own"
+        )
+    # A tensor is never split, so asking for more fragments than that would silently give
+    # fewer (and a schedule planned for the requested F would be wrong).
+    most = _most_fragments(tensors, matrix_merge)
+    if fragments > most:
+        raise ValueError(
+            f"fragments={fragments}, but this model allows at most {most} (it has "
+            f"{len(tensors)} trainable tensors, and a tensor is never split)"
+        )
+    if not separate:
         mode = matrix_merge if not others else MergeMode.AVG
         groups = [(mode, g) for g in _pack(tensors, fragments, pattern)]
     else:

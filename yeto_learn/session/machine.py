@@ -212,6 +212,21 @@ class LearnerSession:
         ]
         return [p for _, p in sorted(ready)]
 
+    def pulls_awaiting_a_step(self) -> list[int]:
+        """Fragments whose pending PULL waits for nothing but a local step (none was taken
+        since their last applied BCAST): a learner that stopped training never answers them."""
+        if self._budget_reported:
+            return []
+        return [
+            p
+            for p, state in enumerate(self._fragments)
+            if state.pull is not None
+            and self._anchors[p] is not None
+            and p not in self._awaiting_first
+            and state.apply_pending is None
+            and state.c_steps == 0
+        ]
+
     # -- connections -----------------------------------------------------------------------
     def hello(self, num_streams: int, *, generation: int | None = None) -> Hello:
         """Open a new connection group: the HELLO for stream 0.

@@ -29,6 +29,7 @@ syncer's ERROR or SHUTDOWN it does not redial.
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import socket
 import threading
@@ -52,13 +53,15 @@ from yeto_proto import (
 from yeto_proto.constants import CHUNK_SLICE_SIZE, MAX_STREAMS
 
 from ..session.reconnect import backoff_delay, fresh_generation
-from .errors import SyncerProtocolViolation, SyncerUnreachable
+from .errors import LearnerError, SyncerProtocolViolation, SyncerUnreachable
 from .events import ClientFailed, GroupLost, GroupUp, InboxItem, Received, Undelivered
 from .group import RECV_BUFFER_SIZE, ConnectionGroup, Counters, open_socket
 
 #: HEARTBEAT interval (spec/learner.md §9: not part of the wire contract).
 HEARTBEAT_INTERVAL_S = 1.0
 #: Bound on one dial (TCP connects and queuing the hellos) before it counts as failed.
+_log = logging.getLogger("yeto_learn")
+
 DIAL_TIMEOUT_S = 10.0
 #: The least a dial gets once the connect or reconnect deadline has (nearly) passed.
 DIAL_FLOOR_S = 0.25
@@ -94,6 +97,10 @@ class ClientConfig:
             raise ValueError(f"num_streams must be in 0..{MAX_STREAMS}, got {self.num_streams}")
         if self.connect_timeout <= 0 or self.reconnect_timeout <= 0:
             raise ValueError("connect_timeout and reconnect_timeout must be positive")
+        if self.hello_key is not None and (
+            not isinstance(self.hello_key, bytes | bytearray) or not self.hello_key
+        ):
+            raise ValueError(f"hello_key must be non-empty bytes, got {type(self.hello_key)}")
 
     @property
     def address(self) -> str:
@@ -161,9 +168,18 @@ class SyncerClient:
         if self._thread is not None:
             raise RuntimeError("the client was started already")
         self._thread = threading.Thread(
-            target=anyio.run, args=(self._main,), name="yeto-learner-client", daemon=True
+            target=self._run_thread, name="yeto-learner-client", daemon=True
         )
         self._thread.start()
+
+    def _run_thread(self) -> None:
+        try:
+            anyio.run(self._main)
+        except BaseException as exc:  # a bug, not the network: the training loop must hear it
+            _log.exception("the learner's network thread failed")
+            while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+                exc = exc.exceptions[0]  # the task group's wrapping says nothing
+            self._fail(LearnerError(f"the learner's network thread failed: {exc!r}"))
 
     def send(self, epoch: int, message: AnyMessage) -> None:
         """Queue ``message`` for the group of ``epoch``; returns at once."""
@@ -289,7 +305,7 @@ class SyncerClient:
         while self._inbox_full():
             await self._room_changed.wait()
 
-    def _fail(self, error: SyncerUnreachable | SyncerProtocolViolation) -> None:
+    def _fail(self, error: LearnerError) -> None:
         self._post(ClientFailed(error))
 
     async def _sleep_unless_stopped(self, seconds: float) -> None:

@@ -1,0 +1,240 @@
+"""What a learner does when its user gets something wrong: a clear error at the first moment it
+can tell, never silently lost training.
+
+Each case here once failed silently or with an unrelated message: a parameter replaced after
+the Learner was built, an interrupt while a broadcast was being blended, finish() called before
+the final cut, a retry after a syncer that was not up yet, a key given as text, a sharded or
+empty parameter, a merge that needs more fragments, rank 0 failing under torchrun.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from syncer_process import REPO, child_env, free_port, running_syncer
+
+from yeto_learn import FinishTimeout, Learner, LearnerError, SyncerUnreachable
+from yeto_learn.learner import RUN_ID_FILE
+
+
+def small_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+
+
+def train_steps(learner: Learner, model: torch.nn.Module, steps: int) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        learner.step(tokens=8)
+        time.sleep(0.002)
+
+
+def one_learner(address: str, model: torch.nn.Module, **options: Any) -> Learner:
+    return Learner(model, syncer=address, learner_id=0, num_learners=1, fragments=2, streams=1,
+                   connect_timeout=30, **options)  # fmt: skip
+
+
+def test_step_needs_a_token_count() -> None:
+    # With 0 tokens a learner weighs nothing in any merge (c_tokens² / c_steps): a default of 0
+    # let a whole run train for nothing.
+    with pytest.raises(TypeError):
+        Learner.step(object.__new__(Learner))  # type: ignore[call-arg]
+
+
+def test_a_replaced_parameter_is_refused_at_the_next_check(tmp_path: Path) -> None:
+    with running_syncer(tmp_path / "syncer", learners=1, total_steps=4) as syncer:
+        model = small_model()
+        learner = one_learner(syncer.address, model)
+        try:
+            train_steps(learner, model, 3)
+            model[0].weight = torch.nn.Parameter(model[0].weight.detach().clone())
+            with pytest.raises(LearnerError, match="'0.weight' was replaced in the model"):
+                learner.finish(timeout=5)
+        finally:
+            learner.close()
+
+
+def test_load_state_dict_with_assign_is_caught_at_the_first_step(tmp_path: Path) -> None:
+    with running_syncer(tmp_path / "syncer", learners=1, total_steps=4) as syncer:
+        model = small_model()
+        learner = one_learner(syncer.address, model)
+        try:
+            model.load_state_dict(small_model().state_dict(), assign=True)
+            with pytest.raises(LearnerError, match="load_state_dict"):
+                learner.step(tokens=8)
+        finally:
+            learner.close()
+
+
+def test_an_interrupt_while_blending_ends_the_learner(tmp_path: Path) -> None:
+    extra = ["--sync-interval-steps", "2"]
+    with running_syncer(tmp_path / "syncer", learners=1, total_steps=50, extra=extra) as syncer:
+        model = small_model()
+        learner = one_learner(syncer.address, model)
+        try:
+
+            def interrupted(*_: object) -> None:
+                raise KeyboardInterrupt
+
+            learner._params.apply = interrupted  # type: ignore[method-assign]
+            deadline = time.monotonic() + 30
+            with pytest.raises(KeyboardInterrupt):
+                while time.monotonic() < deadline:  # until a broadcast is blended
+                    train_steps(learner, model, 1)
+            # Half-blended parameters must not be pushed as if whole: the learner is over.
+            with pytest.raises(LearnerError, match="failed earlier"):
+                learner.step(tokens=8)
+        finally:
+            learner.close()
+
+
+def test_finish_before_final_ready_says_what_to_do(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    extra = ["--sync-interval-steps", "8", "--quorum-timeout-s", "5"]
+    with running_syncer(tmp_path / "syncer", learners=1, total_steps=20, extra=extra) as syncer:
+        model = small_model()
+        learner = one_learner(syncer.address, model)
+        try:
+            train_steps(learner, model, 20)
+            assert not learner.final_ready
+            with (
+                caplog.at_level(logging.WARNING, logger="yeto_learn"),
+                pytest.raises(FinishTimeout, match="keep calling step\\(\\) until final_ready"),
+            ):
+                learner.finish(timeout=6)
+            assert any("waiting in finish()" in r.getMessage() for r in caplog.records)
+        finally:
+            learner.close()
+
+
+def test_a_learner_that_never_started_may_be_started_again(tmp_path: Path) -> None:
+    out = tmp_path / "learner-0"
+    options: dict[str, Any] = {"out_dir": out, "run_id": "my-run", "connect_timeout": 0.5}
+    for _ in range(2):  # the second attempt used to be refused: "already ran 'my-run'"
+        with pytest.raises(SyncerUnreachable):
+            Learner(small_model(), syncer=f"127.0.0.1:{free_port()}", learner_id=0,
+                    num_learners=2, fragments=2, **options)  # fmt: skip
+    assert not (out / RUN_ID_FILE).exists()
+
+
+def test_a_text_hello_key_is_its_utf8_bytes(tmp_path: Path) -> None:
+    key = "a shared secret"
+    key_file = tmp_path / "hello.key"
+    key_file.write_text(key + "\n")
+    extra = ["--hello-hmac-key-file", str(key_file)]
+    with running_syncer(tmp_path / "syncer", learners=1, total_steps=2, extra=extra) as syncer:
+        model = small_model()
+        learner = one_learner(syncer.address, model, hello_key=key)
+        try:
+            while not learner.final_ready:
+                train_steps(learner, model, 1)
+            learner.finish(timeout=30)
+        finally:
+            learner.close()
+        assert syncer.wait() == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"matrix_merge": "bogus"}, "matrix_merge must be one of avg, rda, iso"),
+        ({"fragment_pattern": "random"}, "fragment_pattern must be one of balanced, strided"),
+        ({"streams": -1}, "streams must be in 0.."),
+        ({"fragments": 9}, "at most 4"),
+        ({"fragments": 1, "matrix_merge": "rda"}, "needs fragments >= 2"),
+        ({"hello_key": 1234}, "hello_key must be non-empty bytes"),
+    ],
+)
+def test_bad_options_are_refused_with_the_fix(options: dict[str, Any], message: str) -> None:
+    arguments: dict[str, Any] = {"fragments": 2, **options}
+    with pytest.raises(ValueError, match=message):
+        Learner(small_model(), syncer=f"127.0.0.1:{free_port()}", learner_id=0,
+                num_learners=1, connect_timeout=0.5, **arguments)  # fmt: skip
+
+
+def test_a_meta_model_is_refused_by_name() -> None:
+    with torch.device("meta"):
+        model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="'weight' is on the meta device"):
+        Learner(model, syncer=f"127.0.0.1:{free_port()}", learner_id=0, num_learners=1,
+                connect_timeout=0.5)  # fmt: skip
+
+
+def test_empty_parameters_are_not_synced_and_the_default_fragments_fit(tmp_path: Path) -> None:
+    model = small_model()
+    model.register_parameter("empty", torch.nn.Parameter(torch.zeros(0)))
+    with running_syncer(tmp_path / "syncer", learners=1, total_steps=2) as syncer:
+        learner = Learner(model, syncer=syncer.address, learner_id=0, num_learners=1,
+                          streams=0, connect_timeout=30)  # fmt: skip
+        try:
+            names = [t.name for f in learner.layout.fragments for t in f.tensors]
+            assert "empty" not in names and len(names) == 4
+            assert len(learner.layout.fragments) == 4  # the default 8, as many as there are
+        finally:
+            learner.close()
+
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import sys, numpy as np, torch, torch.distributed as dist
+    from yeto_learn.distributed import Apply, ApplyKind, LeaderFailed, Plan, PlanStatus
+    from yeto_learn.distributed import TorchDistributedLink
+    dist.init_process_group("gloo")
+    link = TorchDistributedLink((3,))
+    applied = []
+    plan = None
+    if link.is_leader:
+        values = np.arange(3, dtype=np.float32)
+        plan = Plan(PlanStatus.RUNNING, [Apply(ApplyKind.BLEND, 0, values)])
+    def after(_):
+        raise RuntimeError("PUSH delta of fragment 0 is not finite")
+    try:
+        link.run_plan(plan, lambda item, values: applied.append(values.tolist()), after)
+        print("returned")
+    except LeaderFailed as exc:
+        print("LeaderFailed:", exc, applied)
+    except RuntimeError as exc:
+        print("RuntimeError:", exc, applied)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_rank_zero_failing_after_a_plan_fails_every_rank_in_that_step() -> None:
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT],
+            cwd=REPO,
+            env={
+                **child_env(),
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=60) for proc in procs]
+    leader, other = (out.strip().splitlines()[-1] for out, _ in outputs)
+    assert leader == "RuntimeError: PUSH delta of fragment 0 is not finite [[0.0, 1.0, 2.0]]"
+    # Rank 1 used to return normally and then wait in the next collective for a rank 0
+    # that had already raised.
+    assert other == "LeaderFailed: PUSH delta of fragment 0 is not finite [[0.0, 1.0, 2.0]]"
