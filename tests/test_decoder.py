@@ -694,6 +694,39 @@ def test_a_syncer_socket_reads_no_further_than_it_may_hold_before_its_limits() -
     assert len(decoder.next_read(scratch)[0]) > 0
 
 
+def test_a_first_frame_read_in_place_also_holds_what_follows_for_the_limits() -> None:
+    """A HELLO of 64 KiB or more is read through writable()/wrote(), as the syncer's sockets
+    read it: the frames behind it used to be decoded with no limits (a PUSH then failed with a
+    local error, a HEARTBEAT reached a socket that had not joined its group)."""
+    layout = WireLayout((WireFragment(MergeMode.AVG, (1,) * 8200),))
+    first = Hello(1, 3, WireDtype.F32, layout, bytes(32), bytes(32), 0)
+    after: list[AnyMessage] = [
+        PushFragment(1, 0, 5, 1, 0, 9, 3, 400, memoryview(bytes(4 * 8200))),
+        Heartbeat(1, 9),
+    ]
+    stream = encode_bytes(first) + b"".join(encode_bytes(m) for m in after)
+    decoder = FrameDecoder(Role.SYNCER, num_learners=4)
+    scratch = memoryview(bytearray(1 * MiB))
+    at, in_place = 0, 0
+    while at < len(stream):
+        into, direct = decoder.next_read(scratch)
+        if not into:
+            break
+        size = min(len(into), len(stream) - at)
+        into[:size] = stream[at : at + size]
+        if direct:
+            decoder.wrote(size)
+            in_place += size
+        else:
+            decoder.feed(into[:size])
+        at += size
+    assert in_place > 0  # the HELLO's payload did go the in-place way
+    assert decoder.frames() == [first]
+    assert decoder.limits is None and decoder.mid_frame
+    decoder.set_limits(Limits.of(first.dtype, first.layout))
+    assert decoder.frames() == after
+
+
 # -- optional HELLO authentication ----------------------------------------------------------------
 
 KEY = b"shared secret"

@@ -377,6 +377,8 @@ class FrameDecoder:
         self._filled += count
         if self._filled == len(self._payload):
             self._finish_frame()
+            if self._awaiting_limits():  # as after a fed first frame: hold what follows
+                self._stash = bytearray()
 
     def _finish_frame(self) -> None:
         assert self._frame_type is not None and self._payload is not None
