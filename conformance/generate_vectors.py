@@ -1964,6 +1964,13 @@ def final_fragment_file() -> Json:
             "Boundary",
         ),
         header_error("len 2^63", FINAL_FRAGMENT, 1 << 63, "FRAME_TOO_LARGE", "HugeLength"),
+        invalid(
+            "fragment_id 2 = F with 17 tensor bytes (not whole f32 values): the fragment id "
+            "is checked before the tensor length",
+            final(2, 7, S_F32.final(0, "x", count=4) + b"\x00")[0],
+            "BAD_FRAGMENT_ID",
+            "CheckOrder",
+        ),
     ]
     bf16_tests = [
         valid(

@@ -289,6 +289,9 @@ def _decode_payload(
             limits.check_fragment(small.fragment_id)
         return small
     data = payload[prefix.size :]
+    if limits is not None and frame_type is FrameType.FINAL_FRAGMENT:
+        # The fragment id before FINAL_FRAGMENT's own f32-length check (spec/wire.md § 4.1).
+        limits.check_fragment(values[0])
     message: AnyMessage = build(*values, data=data)
     if limits is not None and not isinstance(message, Chunk):
         fragment_id: int = values[1] if frame_type is FrameType.PUSH_FRAGMENT else values[0]
