@@ -213,7 +213,10 @@ def test_writer_refuses_arrays_it_cannot_stream(
         {"ledger": (LedgerEntry(2, 0, 0, 0), LedgerEntry(2, 0, 0, 0))},
         {"ledger": (LedgerEntry(1 << 32, 0, 0, 0),)},
         {"ledger": (LedgerEntry(0, -1, 0, 0),)},
+        {"ledger": (LedgerEntry(None, 0, 0, 0), LedgerEntry(None, 0, 0, 0))},  # type: ignore[arg-type]
+        {"ledger": (LedgerEntry("1", 0, 0, 0), LedgerEntry("2", 0, 0, 0))},  # type: ignore[arg-type]
         {"iso_backend": None},
+        {"iso_backend": True},
         {"contract": None},
         {"format": CheckpointFormat.V2},
     ],

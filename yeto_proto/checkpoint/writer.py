@@ -93,7 +93,7 @@ class CheckpointWriter:
         if _check_u(num_fragments, _U32_MAX, "F") < 1:
             raise _bad("F 0 is not in 1..2^32-1")
         self._num_fragments = int(num_fragments)
-        if iso_backend not in set(IsoBackend):
+        if isinstance(iso_backend, bool) or iso_backend not in set(IsoBackend):
             raise _bad(f"iso_backend {iso_backend!r} is not 0 (scalar) or 1 (torch-svd)")
         prefix = PREFIXES[CheckpointFormat.V3].build(
             {
@@ -135,24 +135,21 @@ class CheckpointWriter:
         """Write the ledger and the full trailer, then durably replace the target file."""
         if self._written != self._num_fragments:
             raise _bad(f"{self._written} of {self._num_fragments} fragments written")
-        entries = list(ledger)
-        ids = [e.learner_id for e in entries]
+        rows = [
+            (
+                _check_u(e.learner_id, _U32_MAX, "learner_id"),
+                _check_u(e.merges, _U64_MAX, "merges"),
+                _check_u(e.steps, _U64_MAX, "steps"),
+                _check_u(e.tokens, _U64_MAX, "tokens"),
+            )
+            for e in ledger
+        ]
+        ids = [row[0] for row in rows]  # compared only once known to be integers
         if any(a >= b for a, b in zip(ids, ids[1:], strict=False)):
             raise _bad("ledger learner ids must strictly ascend")
-        records = np.array(
-            [
-                (
-                    _check_u(e.learner_id, _U32_MAX, "learner_id"),
-                    _check_u(e.merges, _U64_MAX, "merges"),
-                    _check_u(e.steps, _U64_MAX, "steps"),
-                    _check_u(e.tokens, _U64_MAX, "tokens"),
-                )
-                for e in entries
-            ],
-            dtype=LEDGER_DTYPE,
-        )
+        records = np.array(rows, dtype=LEDGER_DTYPE)
         self._write(
-            LedgerCount.build({"ledger_count": len(entries)}),
+            LedgerCount.build({"ledger_count": len(rows)}),
             records.tobytes(),
             FingerprintTrailer.build({"fingerprint": self._fingerprint}),
             ContractTrailer.build({"tag": CONTRACT_TAG, "contract": self._contract}),
