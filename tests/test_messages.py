@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,6 +27,7 @@ from yeto_proto import (
     Heartbeat,
     Hello,
     InitParams,
+    Limits,
     LocalProtocolError,
     MergeMode,
     PullReq,
@@ -257,3 +258,20 @@ def test_outgoing_buffers_resume_after_partial_sends() -> None:
         written += b"".join(bytes(v) for v in batch)[:sent]
         pending.advance(sent)
     assert pending.done and written == b"abcdefghij"
+
+
+def test_limits_scan_the_fragment_numels_once() -> None:
+    """A HELLO may declare 1.29M fragments; each frame header used to rescan them all (25 ms)."""
+
+    class CountedNumels(tuple[int, ...]):
+        scans = 0
+
+        def __iter__(self) -> Iterator[int]:
+            CountedNumels.scans += 1
+            return super().__iter__()
+
+    limits = Limits(WireDtype.BF16, CountedNumels((5, 9, 3)))
+    assert CountedNumels.scans == 1 and limits.max_numel == 9
+    for frame_type in FrameType:
+        limits.payload_limit(frame_type)
+    assert CountedNumels.scans == 1

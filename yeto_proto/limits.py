@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .constants import (
     BCAST_PREFIX_SIZE,
@@ -30,6 +30,12 @@ class Limits:
 
     dtype: WireDtype
     numels: tuple[int, ...]
+    #: Computed once: a HELLO may declare over a million fragments, and every frame header
+    #: of the session is checked against a limit derived from it.
+    max_numel: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_numel", max(self.numels, default=0))
 
     @classmethod
     def of(cls, dtype: WireDtype, layout: WireLayout) -> Limits:
@@ -38,10 +44,6 @@ class Limits:
     @property
     def num_fragments(self) -> int:
         return len(self.numels)
-
-    @property
-    def max_numel(self) -> int:
-        return max(self.numels)
 
     def tensor_bytes(self, frame_type: FrameType, fragment_id: int) -> int:
         """Exact tensor byte count of a bulk frame for one fragment."""
