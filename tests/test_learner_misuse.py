@@ -238,3 +238,34 @@ def test_rank_zero_failing_after_a_plan_fails_every_rank_in_that_step() -> None:
     # Rank 1 used to return normally and then wait in the next collective for a rank 0
     # that had already raised.
     assert other == "LeaderFailed: PUSH delta of fragment 0 is not finite [[0.0, 1.0, 2.0]]"
+
+
+class HasModuleChild(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Linear(3, 2)  # a real submodule that happens to be so named
+        self.head = torch.nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.module(x))
+        return out
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's own imports
+def test_the_saved_state_dict_loads_into_the_same_class(tmp_path: Path) -> None:
+    model = HasModuleChild()
+    compiled = torch.compile(model)  # a wrapper: its "_orig_mod." prefix goes
+    with running_syncer(tmp_path / "syncer", learners=1, total_steps=2) as syncer:
+        learner = Learner(compiled, syncer=syncer.address, learner_id=0, num_learners=1,
+                          fragments=2, streams=0, out_dir=tmp_path / "out",
+                          connect_timeout=30)  # fmt: skip
+        try:
+            while not learner.final_ready:
+                learner.step(tokens=1)
+                time.sleep(0.002)
+            learner.finish(timeout=30)
+        finally:
+            learner.close()
+    saved = torch.load(tmp_path / "out" / "model.pt")
+    assert sorted(saved) == ["head.bias", "head.weight", "module.bias", "module.weight"]
+    HasModuleChild().load_state_dict(saved)  # it used to save "weight" for "module.weight"

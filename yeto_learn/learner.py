@@ -171,6 +171,19 @@ def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter
     return {normalize_name(n): p for n, p in model.named_parameters() if p.requires_grad}
 
 
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP and ``torch.compile`` wrappers (their ``module``/``_orig_mod``)."""
+    while True:
+        inner = (
+            model.module
+            if isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            else (getattr(model, "_orig_mod", None))
+        )
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
 def synced_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The trainable parameters a learner syncs: all but empty ones (nothing to sync).
 
@@ -761,7 +774,9 @@ class Learner:
         if self.out_dir is None:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        state = {normalize_name(k): v.detach().cpu() for k, v in self.model.state_dict().items()}
+        # The wrapped model's own names: normalizing every key would also rename a real
+        # submodule called "module" (and could merge a buffer into a parameter's name).
+        state = {k: v.detach().cpu() for k, v in unwrapped(self.model).state_dict().items()}
         with atomic_replace(self.out_dir / STATE_FILE) as staging:
             torch.save(state, staging)
         _write_text_atomically(self.out_dir / LAYOUT_FILE, self.layout.to_json())
