@@ -269,3 +269,20 @@ def test_the_saved_state_dict_loads_into_the_same_class(tmp_path: Path) -> None:
     saved = torch.load(tmp_path / "out" / "model.pt")
     assert sorted(saved) == ["head.bias", "head.weight", "module.bias", "module.weight"]
     HasModuleChild().load_state_dict(saved)  # it used to save "weight" for "module.weight"
+
+
+def test_a_finish_timeout_leaves_the_learner_usable(tmp_path: Path) -> None:
+    extra = ["--sync-interval-steps", "4"]
+    with running_syncer(tmp_path / "syncer", learners=1, total_steps=8, extra=extra) as syncer:
+        model = small_model()
+        learner = one_learner(syncer.address, model)
+        try:
+            train_steps(learner, model, 2)
+            with pytest.raises(FinishTimeout):
+                learner.finish(timeout=0.3)  # too early: the run goes on
+            while not learner.final_ready:  # it used to be closed for good by the timeout
+                train_steps(learner, model, 1)
+            learner.finish(timeout=30)
+        finally:
+            learner.close()
+        assert syncer.wait() == 0

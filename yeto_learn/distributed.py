@@ -54,6 +54,8 @@ class PlanStatus(enum.IntEnum):
     DONE = 2
     #: Rank 0 failed; every rank raises with the plan's error text.
     FAILED = 3
+    #: The wait (finish) ran out of time; every rank raises, and may wait again.
+    TIMED_OUT = 4
 
 
 @dataclass(slots=True)

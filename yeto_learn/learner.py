@@ -479,7 +479,8 @@ class Learner:
 
         Keeps answering pulls meanwhile. Raises :class:`FinishTimeout` if the syncer's final
         cut (or its SHUTDOWN after our ACK) does not arrive within ``timeout`` seconds
-        (default ``finish_timeout``); nothing local is ever saved in its place.
+        (default ``finish_timeout``); nothing local is ever saved in its place. The learner
+        stays usable after that timeout: call ``finish()`` again to wait longer, or ``close()``.
         """
         with self._one_caller():
             self._usable()
@@ -604,7 +605,8 @@ class Learner:
                     if done():
                         plan = Plan(PlanStatus.DONE)
                     elif left <= 0:
-                        raise on_timeout()
+                        error = on_timeout()
+                        plan = Plan(PlanStatus.TIMED_OUT, error=str(error))
                     else:
                         items = self._client_items(min(_POLL_S, left))
                         plan = self._plan(items)
@@ -618,6 +620,13 @@ class Learner:
             plan = self._run(plan, error)
             if plan.status is PlanStatus.DONE:
                 return
+            if plan.status is PlanStatus.TIMED_OUT:
+                # Nothing is lost by waiting longer: the learner stays usable (finish() again).
+                raise (
+                    error
+                    if error is not None
+                    else (FinishTimeout if finishing else SyncerSilent)(plan.error)
+                )
 
     def _run(self, plan: Plan | None, error: BaseException | None) -> Plan:
         """Share ``plan`` with every rank, apply it, then let rank 0 confirm and answer.
