@@ -119,7 +119,7 @@ def test_two_gloo_ranks_and_a_single_learner_finish_with_identical_replicas(
     layout = Layout.from_json((tmp_path / "learner-0" / "layout.json").read_text())
     expected = checkpoint_digest(syncer.checkpoint, layout)
     assert {r["params_sha256"] for r in done} == {expected}
-    assert all(r["final_global_step"] == 12 for r in done if r["rank"] == 0)
+    assert all(r["final_global_step"] == 12 for r in done)  # rank 1 too: it holds the cut
 
     # The torchrun learner steps once per collective step with both ranks' tokens.
     ranks = by_place[(0, 0)]

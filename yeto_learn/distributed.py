@@ -65,6 +65,8 @@ class Plan:
     error: str = ""
     #: The newest global step rank 0 has seen (so every rank reports the same).
     global_step: int = 0
+    #: With FINAL applies: the final cut's global step (every rank reports it).
+    final_global_step: int | None = None
 
 
 ApplyFn = Callable[[Apply, torch.Tensor], None]
@@ -118,7 +120,8 @@ class SoloLink:
         return plan
 
 
-_HEADER = 4  # status, number of applies, error text length in bytes, global step
+#: status, number of applies, error text length in bytes, global step, final step + 1 (0: none)
+_HEADER = 5
 _MAX_ERROR_BYTES = 4096
 
 
@@ -205,8 +208,9 @@ class TorchDistributedLink:
             error = plan.error.encode("utf-8")[:_MAX_ERROR_BYTES]
             header[0], header[1], header[2] = int(plan.status), len(plan.applies), len(error)
             header[3] = plan.global_step
+            header[4] = 0 if plan.final_global_step is None else plan.final_global_step + 1
         self._broadcast(header)
-        status, count, error_len, global_step = (int(v) for v in header.tolist())
+        status, count, error_len, global_step, final_step = (int(v) for v in header.tolist())
         items = torch.zeros((count, 2), dtype=torch.int64, device=self.device)
         if self.is_leader and plan is not None and count:
             items[:] = torch.tensor(
@@ -218,6 +222,7 @@ class TorchDistributedLink:
             PlanStatus(status),
             error=self._broadcast_text(error, error_len),
             global_step=global_step,
+            final_global_step=final_step - 1 if final_step else None,
         )
         for kind, fragment_id in items.tolist():
             buffer = self._buffer(fragment_id)

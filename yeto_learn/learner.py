@@ -612,6 +612,7 @@ class Learner:
                         plan = self._plan(items)
                         if finishing and self._final is not None:
                             plan.applies += self._final_applies(self._final)
+                            plan.final_global_step = self._final.final_global_step
                         if finishing:
                             self._warn_of_starved_pulls()
                 except BaseException as exc:
@@ -648,6 +649,8 @@ class Learner:
             self._fail(error if error is not None else LearnerError(plan.error))
         if plan.status is PlanStatus.FINAL_READY:
             self.final_ready = True
+        if plan.final_global_step is not None:  # every rank now holds the final cut
+            self.final_global_step = plan.final_global_step
         return plan
 
     def _fail(self, failure: BaseException) -> NoReturn:
@@ -745,7 +748,6 @@ class Learner:
         final = self._final
         if final is not None and any(a.kind is ApplyKind.FINAL for a in plan.applies):
             self._final = None
-            self.final_global_step = final.final_global_step
             ack = session.final_applied(final.final_global_step)
             if ack is not None:
                 self._send(ack)
