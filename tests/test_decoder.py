@@ -4,13 +4,16 @@ read back from yeto_proto.limits."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import hmac
 import itertools
 import math
 import struct
 import tracemalloc
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -87,6 +90,11 @@ def expect_error(decoder: FrameDecoder, code: ErrorCode) -> RemoteProtocolError:
         decoder.frames()
     assert caught.value.code is code, caught.value
     return caught.value
+
+
+def same_error(again: ProtocolError, first: ProtocolError) -> bool:
+    """A poisoned decoder raises an equal error each time (a fresh object: no cycle)."""
+    return (type(again), again.code, again.detail) == (type(first), first.code, first.detail)
 
 
 def hello(**overrides: object) -> Hello:
@@ -815,7 +823,7 @@ def test_end_of_stream_inside_a_frame_is_an_error(keep: int) -> None:
     first = expect_error(decoder, ErrorCode.CONNECTION_CLOSED_MID_FRAME)
     with pytest.raises(RemoteProtocolError) as again:
         decoder.next_frame()
-    assert again.value is first
+    assert same_error(again.value, first)
 
 
 def test_frames_before_a_fatal_error_come_out_first_then_the_error_sticks() -> None:
@@ -830,7 +838,7 @@ def test_frames_before_a_fatal_error_come_out_first_then_the_error_sticks() -> N
     for _ in range(3):
         with pytest.raises(RemoteProtocolError) as again:
             decoder.next_frame()
-        assert again.value is first.value
+        assert same_error(again.value, first.value)
 
 
 def test_a_payload_error_poisons_too_and_drops_later_frames() -> None:
@@ -843,11 +851,73 @@ def test_a_payload_error_poisons_too_and_drops_later_frames() -> None:
     assert first.value.code is ErrorCode.BAD_FRAGMENT_ID
     with pytest.raises(ProtocolError) as again:
         decoder.next_frame()
-    assert again.value is first.value
+    assert same_error(again.value, first.value)
     decoder.feed(b"")
     with pytest.raises(ProtocolError) as after_eof:
         decoder.next_frame()
-    assert after_eof.value is first.value
+    assert same_error(after_eof.value, first.value)
+
+
+@contextlib.contextmanager
+def gc_disabled() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _fail_and_handle(decoder: FrameDecoder) -> ErrorCode:
+    """What an owner does: take frames until the error, read it, and ask once more."""
+    codes = []
+    for _ in range(2):
+        try:
+            decoder.frames()
+        except ProtocolError as exc:
+            codes.append(exc.code)
+    assert len(codes) == 2 and codes[0] is codes[1]
+    return codes[0]
+
+
+FAILURES: dict[str, tuple[Callable[[], FrameDecoder], bytes, bool, ErrorCode]] = {
+    # a 16 MiB HELLO announced, 1 MiB of it sent, then the peer left
+    "eof mid frame": (
+        lambda: FrameDecoder(Role.SYNCER, num_learners=2),
+        raw_header(FrameType.HELLO, 16 * MiB) + bytes(MiB),
+        True,
+        ErrorCode.CONNECTION_CLOSED_MID_FRAME,
+    ),
+    "bad header": (
+        learner_decoder,
+        encode_bytes(Shutdown()) + raw_header(FrameType.HEARTBEAT, 12),
+        False,
+        ErrorCode.WRONG_DIRECTION,
+    ),
+    "bad payload": (
+        learner_decoder,
+        encode_bytes(PullReq(9, 1, 1)),
+        False,
+        ErrorCode.BAD_FRAGMENT_ID,
+    ),
+}
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+def test_a_failed_decoder_is_freed_by_reference_counting_alone(failure: str) -> None:
+    # A stored exception keeps its traceback, whose frames hold the decoder: a cycle that
+    # kept 48 half-sent 16 MiB HELLO buffers (838 MB) alive until the cyclic GC ran.
+    make, data, eof, code = FAILURES[failure]
+    with gc_disabled():
+        decoder = make()
+        decoder.feed(data)
+        if eof:
+            decoder.feed(b"")
+        assert _fail_and_handle(decoder) is code
+        freed = weakref.ref(decoder)
+        del decoder
+        assert freed() is None
 
 
 def test_error_severity_is_fatal_for_framing_and_rejected_for_pushes() -> None:

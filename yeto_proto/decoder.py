@@ -10,7 +10,8 @@ DATA_HELLO within 16 MiB. Once that frame is out, bytes that follow wait until t
 :meth:`FrameDecoder.set_limits` with the session's :class:`~yeto_proto.limits.Limits`.
 
 A fatal error poisons the decoder: it is raised after the frames that preceded it, and again
-on every later call.
+on every later call (an equal, fresh error each time: a stored exception would keep its
+traceback, and through its frames this decoder and its buffers, alive in a reference cycle).
 
 With a :class:`ChunkSink` (a :class:`~yeto_proto.chunks.Reassembler`), a CHUNK's data skips a
 copy: once its 24-byte envelope is in, the sink checks it and says where in the reassembled
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
 from .buffers import BufferPool
@@ -135,6 +137,22 @@ def _check_exact(frame_type: FrameType, length: int) -> None:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    """What poisoned a decoder, kept without the exception itself (see the module docstring)."""
+
+    kind: type[ProtocolError]
+    code: ErrorCode
+    detail: str
+
+    @classmethod
+    def of(cls, error: ProtocolError) -> _Failure:
+        return cls(type(error), error.code, error.detail)
+
+    def error(self) -> ProtocolError:
+        return self.kind(self.code, self.detail)
+
+
 class FrameDecoder:
     """Incremental decoder for the frames one peer sends on one socket.
 
@@ -174,7 +192,7 @@ class FrameDecoder:
         #: (msg_id, total_len, offset) of a CHUNK whose data goes to the sink's buffer.
         self._placing: tuple[int, int, int] | None = None
         self._stash: bytearray | None = None  # bytes waiting for set_limits
-        self._error: ProtocolError | None = None
+        self._error: _Failure | None = None
         self._eof = False
 
     # -- state -----------------------------------------------------------------------------
@@ -225,7 +243,7 @@ class FrameDecoder:
                 try:
                     self._start_frame()
                 except ProtocolError as exc:
-                    self._error = exc
+                    self._error = _Failure.of(exc)
                     return
                 if self._payload is None:  # a CHUNK's envelope is next
                     continue
@@ -412,7 +430,7 @@ class FrameDecoder:
                 self._poison(exc)
                 raise
         if self._error is not None:
-            raise self._error
+            raise self._error.error()
         if self._eof:
             if self.mid_frame:
                 self._poison(
@@ -421,12 +439,13 @@ class FrameDecoder:
                     )
                 )
                 assert self._error is not None
-                raise self._error
+                # Never a local name for it: the traceback's frame would hold it (a cycle).
+                raise self._error.error()
             return CLOSED
         return NEED_DATA
 
     def _poison(self, exc: ProtocolError) -> None:
-        self._error = exc
+        self._error = _Failure.of(exc)
         self._ready.clear()
         self._stash = None
 
