@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import select
 import signal
 import subprocess
@@ -35,9 +36,13 @@ def error_code(text: str) -> str:
 class Daemon:
     """One ``yeto-sync`` process; use as a context manager (it is killed on the way out)."""
 
-    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *flags: str, env: dict[str, str] | None = None, nofile: int | None = None
+    ) -> None:
+        """``nofile``: the daemon's RLIMIT_NOFILE (soft and hard), if given."""
         self.flags = ["--host", "127.0.0.1", "--port", "0", *flags]
         self.env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+        self.nofile = nofile
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
         self._stderr: list[str] = []
@@ -67,6 +72,7 @@ class Daemon:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=None if self.nofile is None else self._limit_files,
         )
         assert self.proc.stderr is not None and self.proc.stdout is not None
         stderr = self.proc.stderr
@@ -78,6 +84,10 @@ class Daemon:
         match = READY.match(line)
         assert match, f"bad ready line {line!r}; stderr:\n{self.stderr}"
         self.port = int(match.group(2))
+
+    def _limit_files(self) -> None:
+        assert self.nofile is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def _collect(self, stream: IO[str]) -> None:
         for line in stream:

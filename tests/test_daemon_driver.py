@@ -204,6 +204,51 @@ def test_a_failed_checkpoint_write_ends_the_run_with_a_reason(tmp_path: Path) ->
     run(scenario)
 
 
+def test_the_event_tape_is_opened_when_the_run_starts(tmp_path: Path) -> None:
+    # Opened at the first merge instead, it needed a descriptor when peers may hold them all.
+    async def scenario() -> None:
+        tape = tmp_path / "tape.jsonl"
+        clock = FakeClock()
+        seen_at_start: list[bool] = []
+
+        class Watching(IdleSource):
+            async def next_event(self, until: float | None) -> Event | None:
+                seen_at_start.append(tape.exists())
+                return await super().next_event(until)
+
+        coordinator = Scripted([SetTimer("t", 1.0)], [Exit(0, "done")])
+        driver = Driver(
+            coordinator, RecordingTransport(), clock, outputs=Outputs(event_tape_path=tape)
+        )
+        await driver.dispatch(TimerFired("boot"))
+        with anyio.fail_after(5):
+            assert await driver.run(Watching(clock)) == Exit(0, "done")
+        assert seen_at_start[0]
+
+    run(scenario)
+
+
+def test_a_tape_that_cannot_be_written_ends_the_run_with_a_reason(tmp_path: Path) -> None:
+    # An OSError from the tape escaped the driver: the daemon died with "internal error".
+    async def scenario() -> None:
+        tape = tmp_path / "a directory"
+        tape.mkdir()
+        transport = RecordingTransport()
+        driver = Driver(
+            Scripted([AppendTape({"step": 1}), Send(KEY, PullReq(0, 2, 1))]),
+            transport,
+            FakeClock(),
+            outputs=Outputs(event_tape_path=tape),
+            log=KeyValueLog(io.StringIO()),
+        )
+        await driver.dispatch(TimerFired("x"))
+        assert driver.exit is not None and driver.exit.code == 1
+        assert "event tape" in driver.exit.reason and "cannot be opened" in driver.exit.reason
+        assert transport.calls == [("shutdown", driver.shutdown_grace)]  # nothing after it
+
+    run(scenario)
+
+
 def test_final_marker_and_final_state(tmp_path: Path) -> None:
     async def scenario() -> None:
         path, final_state = tmp_path / "ckpt.bin", tmp_path / "final.bin"

@@ -10,11 +10,13 @@ becomes ready, so it never supersedes the good learner's generation.
 from __future__ import annotations
 
 import itertools
+import json
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 from daemon_harness import Daemon, error_code, wait_until
@@ -235,3 +237,61 @@ def test_hostile_peers_get_their_errors_while_a_good_learner_is_served() -> None
     grown_kib = rss[1] - rss[0]
     attacks = (ROUNDS_OF_HOSTILES - 1) * len(CASES)
     assert grown_kib < 4 * 1024, f"RSS grew {grown_kib} KiB over {attacks} hostile connections"
+
+
+def test_idle_peers_never_take_the_descriptors_the_daemons_files_need(tmp_path: Path) -> None:
+    # With 64 descriptors, 100 idle sockets used to fill the table: the lazily opened event
+    # tape and the next checkpoint write failed with EMFILE (exit 1), and every accept() failed
+    # with an error line 10 times a second.
+    flags = [
+        "--learners=1",
+        f"--total-steps={TOTAL_STEPS}",
+        "--sync-interval-steps=0",
+        f"--checkpoint-path={tmp_path / 'syncer.yeto'}",
+        "--checkpoint-every=1",
+        f"--event-tape={tmp_path / 'events.jsonl'}",
+    ]
+    with Daemon(*flags, nofile=64) as daemon:
+        paused, resume = threading.Event(), threading.Event()
+
+        def before_push(pull: object) -> None:
+            if getattr(pull, "global_step", 0) == 1 and not resume.is_set():
+                paused.set()  # before the first merge: nothing taped or checkpointed yet
+                assert resume.wait(60), "never resumed"
+
+        good = ScriptedLearner(
+            LearnerGroup(daemon.address, SPEC, learner_id=0, generation=1, num_streams=2),
+            initial=[np.ones(n, np.float32) for n in LAYOUT.numels],
+            before_push=before_push,
+        )
+        failures: list[BaseException] = []
+
+        def play() -> None:
+            try:
+                good.start()
+                good.run(timeout=60)
+            except BaseException as exc:
+                failures.append(exc)
+            finally:
+                good.group.close()
+
+        player = threading.Thread(target=play)
+        player.start()
+        idle: list[socket.socket] = []
+        try:
+            wait_until(paused.is_set, 30, "the good learner to reach its pause")
+            for _ in range(100):  # the kernel's listen queue takes what the daemon does not
+                idle.append(socket.create_connection(daemon.address, timeout=10))
+            time.sleep(1.5)
+            resume.set()
+            player.join(60)
+            assert not failures, f"{failures!r}\n{daemon.stderr}"
+            assert good.shut_down and daemon.wait(30) == 0, daemon.stderr
+        finally:
+            resume.set()
+            for sock in idle:
+                sock.close()
+    taped = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    merges = [line["step"] for line in taped if "event" not in line]
+    assert merges == list(range(1, TOTAL_STEPS + 1))
+    assert daemon.stderr.count("accept failed") <= 2, daemon.stderr

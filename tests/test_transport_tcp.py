@@ -47,6 +47,7 @@ from yeto_sync.events import (
 )
 from yeto_sync.transport import MonotonicClock
 from yeto_sync.transport.group import ConnectionGroups
+from yeto_sync.transport.log_throttle import LogThrottle
 from yeto_sync.transport.tcp import WRITE_TURN_BYTES, Outgoing, SendQueue, TcpTransport
 
 BIG = 1_500_000  # 6 MB of f32: two CHUNKs per BCAST
@@ -499,3 +500,12 @@ def test_send_queue_get_waits_for_a_frame(size: int) -> None:
         assert got == [Outgoing([bytes(size)])]
 
     run(scenario)
+
+
+def test_log_throttle_writes_one_line_per_period_and_counts_the_rest() -> None:
+    throttle = LogThrottle(period=10.0)
+    assert throttle.due("accept failed", 0.0) == 0
+    assert [throttle.due("accept failed", t) for t in (1.0, 2.0, 9.9)] == [None] * 3
+    assert throttle.due("other line", 5.0) == 0  # each kind has its own period
+    assert throttle.due("accept failed", 10.0) == 3
+    assert throttle.due("accept failed", 25.0) == 0

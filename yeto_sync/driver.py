@@ -14,6 +14,7 @@ state) and its structured ``key=value`` log on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -268,7 +269,7 @@ class Driver:
             case Log(level=level, text=text, fields=fields):
                 self._log(level, text, fields)
             case AppendTape(record=record):
-                self._append_tape(record)
+                await self._append_tape(record)
             case WriteCheckpoint(state=state, final=final, recovery=recovery):
                 await self._write_checkpoint(state, final, recovery)
             case WriteFinalMarker(global_step=step):
@@ -299,6 +300,8 @@ class Driver:
     # -- the loop --------------------------------------------------------------------------
     async def run(self, source: EventSource) -> Exit:
         """Run until an ``Exit`` (or :meth:`request_stop`); return it."""
+        # Open now, while descriptors are plenty: peers may take every free one later.
+        await self._open_tape()
         with anyio.CancelScope() as self._run_scope:
             while self.exit is None:
                 if await self.fire_due_timers():
@@ -337,23 +340,37 @@ class Driver:
 
     def close(self) -> None:
         if self._tape is not None:
-            self._tape.close()
-            self._tape = None
+            tape, self._tape = self._tape, None
+            with contextlib.suppress(OSError):  # a tape that failed may fail its last flush too
+                tape.close()
 
     def _fail(self, reason: str) -> Exit:
         self._log("error", "syncer exiting", {"code": EXIT_FAILURE, "reason": reason})
         return Exit(EXIT_FAILURE, reason)
 
     # -- files -----------------------------------------------------------------------------
-    def _append_tape(self, record: Mapping[str, Any]) -> None:
+    async def _open_tape(self) -> bool:
+        """Open the event tape for appending (once); a failure ends the run."""
         path = self.outputs.event_tape_path
-        if path is None:
-            return
-        if self._tape is None:
+        if path is None or self._tape is not None or self.exit is not None:
+            return self._tape is not None
+        try:
             self._tape = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+        except OSError as exc:
+            await self._finish(self._fail(f"event tape {path} cannot be opened: {exc}"))
+            return False
+        return True
+
+    async def _append_tape(self, record: Mapping[str, Any]) -> None:
+        if not await self._open_tape():
+            return
+        assert self._tape is not None
         line = json.dumps(record, default=_json_default, separators=(",", ":"), allow_nan=False)
-        self._tape.write(line + "\n")
-        self._tape.flush()
+        try:
+            self._tape.write(line + "\n")
+            self._tape.flush()
+        except OSError as exc:
+            await self._finish(self._fail(f"event tape write failed: {exc}"))
 
     async def _write_checkpoint(self, state: object, final: bool, recovery: bool) -> None:
         path = self.outputs.checkpoint_path

@@ -26,14 +26,21 @@ Every wait is bounded:
 - a closing socket sends its last frame (an ERROR, say), half-closes and lingers at most
   ``linger`` seconds for the peer's EOF, so the ERROR is read rather than lost to a reset;
 - :meth:`TcpTransport.shutdown` flushes queues for ``grace`` seconds, then cuts everything.
+
+Peer sockets never take the descriptors the daemon's own files need: at most
+``RLIMIT_NOFILE`` less those open at the start and :data:`FD_RESERVE` are open at once (the
+listen queue holds newcomers meanwhile), and an ``accept`` out of descriptors backs off.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import math
+import resource
 import socket
+import sys
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -53,6 +60,7 @@ from ..receive_watermark import READ_WATERMARK_CAP, ReceiveWatermark
 from . import Clock
 from .group import ConnectionGroups, Hangup, LogFn, Transmit, WireCommand, Writable
 from .link_pace import LinkPace
+from .log_throttle import LogThrottle
 
 #: The receive buffer all sockets share (a read never outlives the task step that made it).
 RECV_BUFFER_SIZE = 4 << 20
@@ -67,6 +75,20 @@ HELD_BACK_POLL_S = 0.01
 IOV_BATCH = 512
 #: After a write of at least this many bytes a writer lets the other sockets' tasks run.
 WRITE_TURN_BYTES = 256 << 10
+#: Descriptors kept from peer sockets for the daemon's own: the checkpoint's temporary file
+#: and directory, the event tape, the final marker and state, modules imported late.
+FD_RESERVE = 32
+#: ``accept`` errors that mean the process or system is out of descriptors or buffers.
+_ACCEPT_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_BACKOFF_S = (0.05, 1.0)
+
+
+def peer_socket_cap(in_use: int, reserve: int = FD_RESERVE) -> int:
+    """How many peer sockets may be open at once, with ``in_use`` descriptors taken already."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return sys.maxsize
+    return max(1, soft - in_use - reserve)
 
 
 async def _grown(progress: PayloadProgress, seen: int) -> None:
@@ -253,6 +275,7 @@ class TcpTransport:
         stall_timeout: float = SEND_STALL_TIMEOUT_S,
         linger: float = LINGER_S,
         read_watermark: int = READ_WATERMARK_CAP,
+        max_peers: int | None = None,
     ) -> None:
         self.groups = groups
         self.clock = clock
@@ -270,6 +293,11 @@ class TcpTransport:
         #: The most bytes a socket waits for before an in-place read (1: every segment).
         self.read_watermark = read_watermark
         self._peers: dict[ConnId, _Peer] = {}
+        #: Peer sockets open at once; fds are numbered lowest-free first, so the listener's
+        #: number bounds how many the process had open before.
+        self.max_peers = peer_socket_cap(listener.fileno() + 1) if max_peers is None else max_peers
+        self._peer_left = anyio.Event()
+        self._throttle = LogThrottle()
         self._outboxes: dict[GroupKey, _Outbox] = {}
         self._recv_view = memoryview(bytearray(RECV_BUFFER_SIZE))
         self._next_conn = 1
@@ -296,6 +324,7 @@ class TcpTransport:
         stall_timeout: float = SEND_STALL_TIMEOUT_S,
         linger: float = LINGER_S,
         read_watermark: int = READ_WATERMARK_CAP,
+        max_peers: int | None = None,
     ) -> AsyncIterator[TcpTransport]:
         """Listen on ``host:port`` (0 = any free port) and accept until the block ends."""
         listener = _listening_socket(host, port)
@@ -310,6 +339,7 @@ class TcpTransport:
                 stall_timeout=stall_timeout,
                 linger=linger,
                 read_watermark=read_watermark,
+                max_peers=max_peers,
             )
             tg.start_soon(transport._accept_loop)
             try:
@@ -464,16 +494,28 @@ class TcpTransport:
             self._listener.close()
 
     async def _accept_forever(self) -> None:
+        backoff = 0.0
         while True:
             await anyio.wait_readable(self._listener)
+            if len(self._peers) >= self.max_peers:
+                await self._room_for_a_peer()
+                continue
             try:
                 sock, address = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                 continue
             except OSError as exc:  # out of descriptors, say: back off, keep serving
-                self._log("error", "accept failed", {"error": str(exc)})
-                await anyio.sleep(0.1)
+                low, high = ACCEPT_BACKOFF_S
+                backoff = min(max(2 * backoff, low), high)
+                exhausted = exc.errno in _ACCEPT_EXHAUSTED
+                self._log_throttled(
+                    "warning" if exhausted else "error",
+                    "accept failed",
+                    {"error": str(exc), "retry_in_s": backoff},
+                )
+                await anyio.sleep(backoff)
                 continue
+            backoff = 0.0
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -483,6 +525,24 @@ class TcpTransport:
             self._log("info", "connection opened", {"conn": conn, "peer": peer.address})
             self._tg.start_soon(self._serve_peer, peer)
             self._apply(self.groups.open(conn, self.clock.now()))
+
+    async def _room_for_a_peer(self) -> None:
+        """Every peer slot is taken: wait (bounded) for one to close; newcomers stay queued."""
+        self._log_throttled(
+            "warning",
+            "peer socket limit reached: new connections wait",
+            {"max_peer_sockets": self.max_peers, "fd_reserve": FD_RESERVE},
+        )
+        if self._peer_left.is_set():
+            self._peer_left = anyio.Event()
+        with anyio.move_on_after(1.0):
+            await self._peer_left.wait()
+
+    def _log_throttled(self, level: str, text: str, fields: dict[str, object]) -> None:
+        """Log ``text`` at most once per period; the next line counts those held back."""
+        held = self._throttle.due(text, time.monotonic())
+        if held is not None:
+            self._log(level, text, {**fields, "held_back": held} if held else fields)
 
     async def _serve_peer(self, peer: _Peer) -> None:
         try:
@@ -498,6 +558,7 @@ class TcpTransport:
         finally:
             peer.sock.close()
             del self._peers[peer.conn]
+            self._peer_left.set()
             self._apply(self.groups.lost(peer.conn, "socket closed"))
             self._log("info", "connection closed", {"conn": peer.conn, "peer": peer.address})
             if not self._peers:
