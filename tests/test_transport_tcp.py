@@ -22,6 +22,7 @@ from yeto_proto import (
     ErrorMessage,
     FrameDecoder,
     FrameType,
+    Heartbeat,
     Limits,
     MergeMode,
     PullReq,
@@ -48,7 +49,13 @@ from yeto_sync.events import (
 from yeto_sync.transport import MonotonicClock
 from yeto_sync.transport.group import ConnectionGroups
 from yeto_sync.transport.log_throttle import LogThrottle
-from yeto_sync.transport.tcp import WRITE_TURN_BYTES, Outgoing, SendQueue, TcpTransport
+from yeto_sync.transport.tcp import (
+    MAX_EVENT_BACKLOG,
+    WRITE_TURN_BYTES,
+    Outgoing,
+    SendQueue,
+    TcpTransport,
+)
 
 BIG = 1_500_000  # 6 MB of f32: two CHUNKs per BCAST
 LAYOUT = WireLayout((WireFragment(MergeMode.AVG, (BIG,)), WireFragment(MergeMode.AVG, (64,))))
@@ -413,6 +420,38 @@ def test_a_peer_that_stops_reading_is_dropped_and_others_carry_on() -> None:
     assert KEY in [e.group for e in closed]
     stuck_closed = next(e for e in closed if e.group == KEY)
     assert "send queue full" in stuck_closed.reason or "stalled" in stuck_closed.reason
+
+
+def test_a_flood_of_small_frames_never_queues_more_events_than_the_backlog_cap() -> None:
+    # One 4 MiB read of HEARTBEATs used to queue ~160,000 events at once: the cap was checked
+    # after the read, and every frame in it was decoded.
+    flood = 160_000
+    groups = ConnectionGroups(2)
+    backlogs: list[int] = []
+    beats: list[int] = []
+
+    class Recorder(Stand_in):
+        def handle(self, event: Event, now: float) -> list[Action]:
+            backlogs.append(groups.backlog)
+            if isinstance(event, MessageReceived) and isinstance(event.message, Heartbeat):
+                beats.append(event.message.local_step)
+            if isinstance(event, GroupClosed):
+                return [Exit(0, "flood over")]
+            return super().handle(event, now)
+
+    def learner(address: tuple[str, int]) -> None:
+        group = LearnerGroup(address, SPEC, learner_id=0, generation=1, num_streams=0)
+        group.connect()
+        try:
+            blob = b"".join(encode_bytes(Heartbeat(0, step)) for step in range(1, flood + 1))
+            group.sockets[0].sendall(blob)  # in one go: the syncer's reads may be 4 MiB
+        finally:
+            group.close()
+
+    exit_action, _ = run_and_return(serve(Recorder(), learner, groups=groups))
+    assert exit_action == Exit(0, "flood over")
+    assert beats == list(range(1, flood + 1))
+    assert max(backlogs) <= MAX_EVENT_BACKLOG + 1
 
 
 def test_exit_flushes_queued_frames_before_closing() -> None:

@@ -21,8 +21,8 @@ Every wait is bounded:
   newer BCAST of a fragment replaces one not queued yet; the group's own task cuts messages into
   frames for per-socket send queues of at most ``send_queue_bytes`` and waits for room
   (backpressure) at most ``stall_timeout`` seconds, then drops that group;
-- readers stop reading (TCP pushes back on the peer) while more than ``MAX_EVENT_BACKLOG``
-  events wait for the driver;
+- readers stop reading (TCP pushes back on the peer) while ``MAX_EVENT_BACKLOG`` events wait
+  for the driver, and read no more bytes than could make the frames there is room for;
 - a closing socket sends its last frame (an ERROR, say), half-closes and lingers at most
   ``linger`` seconds for the peer's EOF, so the ERROR is read rather than lost to a reset;
 - :meth:`TcpTransport.shutdown` flushes queues for ``grace`` seconds, then cuts everything.
@@ -52,6 +52,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from yeto_proto import AnyMessage, BcastFragment, ErrorMessage, Limits, encode
+from yeto_proto.constants import HEADER_SIZE
 from yeto_proto.frames import Buffers, OutgoingBuffers
 
 from ..events import ConnId, Event, GroupKey
@@ -572,8 +573,14 @@ class TcpTransport:
         watermark = ReceiveWatermark(sock, self.read_watermark)
         try:
             while True:
+                await self._room_for_events()
                 # Large payloads are read straight into their frame's buffer (no copy).
                 into, direct = self.groups.next_read(conn, view)
+                if not direct:
+                    # Every frame is at least a header: so small a read cannot queue more events
+                    # than there is room for (one 4 MiB read of HEARTBEATs queued 160,000).
+                    room = MAX_EVENT_BACKLOG - self.groups.backlog
+                    into = into[: max(1, room) * HEADER_SIZE]
                 if not into:
                     # The socket holds all it may before its group is settled: read nothing
                     # (TCP pushes back on the peer) until admission or the attach deadline.
@@ -594,7 +601,6 @@ class TcpTransport:
                     self._apply(self.groups.receive(conn, view[:size], self.clock.now()))
                 if size == 0:
                     return
-                await self._room_for_events()
         finally:
             peer.reader_done.set()
 
