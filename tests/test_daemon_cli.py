@@ -172,8 +172,11 @@ def test_a_signal_right_after_the_ready_line_stops_cleanly(signals: int) -> None
         for _ in range(signals):
             daemon.signal(signal.SIGTERM)
         assert daemon.wait(15) == 128 + signal.SIGTERM
-        last = daemon.stderr.splitlines()[-1]
-    assert last == "yeto-sync: stopped by SIGTERM; no checkpoint was written"
+        lines = daemon.stderr.splitlines()
+    assert lines[-1] == "yeto-sync: stopped by SIGTERM; no checkpoint was written"
+    # The first signal says at once that the daemon is stopping, and for how long at most.
+    (stopping,) = [line for line in lines if "msg=stopping " in line]
+    assert "signal=SIGTERM" in stopping and "grace_s=5.0" in stopping
 
 
 def test_a_closed_stdout_loses_only_the_ready_line() -> None:

@@ -472,6 +472,44 @@ def test_exit_flushes_queued_frames_before_closing() -> None:
     assert sorted(m.version for m in received if isinstance(m, BcastFragment)) == [1, 2, 3]
 
 
+def test_shutdown_ends_within_its_grace_when_a_learner_stopped_reading() -> None:
+    # Its flush waited the grace twice and then up to 1 s more: 10.5 s for a 5 s grace.
+    grace = 1.0
+    exit_at: list[float] = []
+
+    class Coordinator(Stand_in):
+        def handle(self, event: Event, now: float) -> list[Action]:
+            if isinstance(event, GroupReady):  # more than its queue and socket buffers hold
+                exit_at.append(time.monotonic())
+                return [*(Send(event.group, bcast(v)) for v in range(1, 40)), Exit(0, "bye")]
+            return super().handle(event, now)
+
+    async def scenario() -> float:
+        groups = ConnectionGroups(2)
+        clock = MonotonicClock()
+        async with TcpTransport.serve(
+            groups, clock, "127.0.0.1", 0, send_queue_bytes=1 << 20
+        ) as transport:
+            stuck = LearnerGroup(transport.address, SPEC, learner_id=0, generation=1, num_streams=1)
+            driver = Driver(
+                Coordinator(),
+                transport,
+                clock,
+                log=KeyValueLog(min_level="error"),
+                shutdown_grace=grace,
+            )
+            try:
+                await anyio.to_thread.run_sync(stuck.connect)  # and never reads
+                with anyio.fail_after(30):
+                    assert await driver.run(transport) == Exit(0, "bye")
+                return time.monotonic() - exit_at[0]
+            finally:
+                stuck.close()
+
+    stopped_in = run_and_return(scenario())
+    assert stopped_in < grace + 0.3
+
+
 # -- the send queue ------------------------------------------------------------------------------
 def test_send_queue_bounds_bytes_and_pushes_back() -> None:
     async def scenario() -> None:

@@ -511,6 +511,7 @@ async def _stop_on_signal(
                     log("warning", "already stopping", {"signal": name})
                     continue
                 stopping = True
+                log("info", "stopping", {"signal": name, "grace_s": driver.shutdown_grace})
                 driver.request_stop(128 + signum, f"stopped by {name}")
     finally:
         # Closing the receiver put the default actions back. The run is over; only the last

@@ -25,7 +25,8 @@ Every wait is bounded:
   for the driver, and read no more bytes than could make the frames there is room for;
 - a closing socket sends its last frame (an ERROR, say), half-closes and lingers at most
   ``linger`` seconds for the peer's EOF, so the ERROR is read rather than lost to a reset;
-- :meth:`TcpTransport.shutdown` flushes queues for ``grace`` seconds, then cuts everything.
+- :meth:`TcpTransport.shutdown` flushes queues, then cuts everything, within ``grace`` seconds
+  in all (:data:`HARD_STOP_S` of them kept for the cut).
 
 Peer sockets never take the descriptors the daemon's own files need: at most
 ``RLIMIT_NOFILE`` less those open at the start and :data:`FD_RESERVE` are open at once (the
@@ -82,6 +83,8 @@ FD_RESERVE = 32
 #: ``accept`` errors that mean the process or system is out of descriptors or buffers.
 _ACCEPT_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 ACCEPT_BACKOFF_S = (0.05, 1.0)
+#: The end of a shutdown's grace kept for cutting what did not leave (and its least length).
+HARD_STOP_S = 0.5
 
 
 def peer_socket_cap(in_use: int, reserve: int = FD_RESERVE) -> int:
@@ -306,7 +309,6 @@ class TcpTransport:
         #: When the waiting :meth:`next_event` wakes up by itself (−inf: nobody waits).
         self._wake_at = -math.inf
         self._room = anyio.Event()
-        self._all_closed = anyio.Event()
         self._accept_scope = anyio.CancelScope()
         self._shutting_down = False
         self._hard_stop = False
@@ -448,31 +450,37 @@ class TcpTransport:
         return True
 
     async def shutdown(self, grace: float) -> None:
-        """Stop accepting, let queued frames drain for ``grace`` seconds, then cut the rest."""
+        """Stop accepting, let queued frames drain, then cut the rest: in ``grace`` seconds
+        at most (at least :data:`HARD_STOP_S`), the last :data:`HARD_STOP_S` for the cut."""
+        flush_until = anyio.current_time() + max(0.0, grace - HARD_STOP_S)
         if not self._shutting_down:
             self._shutting_down = True
             self._accept_scope.cancel()  # the accept loop closes the listener on its way out
             # Messages the driver sent last (the final cut, SHUTDOWN) are queued before the
             # queues close, within the grace.
-            with anyio.move_on_after(grace):
+            with anyio.move_on_after(flush_until - anyio.current_time()):
                 while not all(box.settled for box in self._outboxes.values()):
                     await anyio.sleep(0.01)
             for box in self._outboxes.values():
                 box.changed.set()
             for peer in self._peers.values():
                 peer.queue.close(discard=False)
-        if self._peers:
-            with anyio.move_on_after(grace):
-                await self._all_closed.wait()
+        with anyio.move_on_after(flush_until - anyio.current_time()):
+            await self._no_peers_left()
         self._hard_stop = True
         for peer in list(self._peers.values()):
             if peer.frame_scope is not None:
                 peer.frame_scope.cancel()
             if peer.scope is not None:
                 peer.scope.cancel()
-        with anyio.move_on_after(1.0):
-            if self._peers:
-                await self._all_closed.wait()
+        with anyio.move_on_after(HARD_STOP_S):
+            await self._no_peers_left()
+
+    async def _no_peers_left(self) -> None:
+        while self._peers:
+            if self._peer_left.is_set():
+                self._peer_left = anyio.Event()
+            await self._peer_left.wait()
 
     def _apply(self, commands: list[WireCommand] | list[Transmit]) -> None:
         for command in commands:
@@ -562,8 +570,6 @@ class TcpTransport:
             self._peer_left.set()
             self._apply(self.groups.lost(peer.conn, "socket closed"))
             self._log("info", "connection closed", {"conn": peer.conn, "peer": peer.address})
-            if not self._peers:
-                self._all_closed.set()
 
     async def _read_loop(self, peer: _Peer) -> None:
         # One buffer serves every socket: each read is handed to the decoder (which copies it)
