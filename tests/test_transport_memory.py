@@ -345,6 +345,50 @@ def test_a_peer_that_leaves_inside_a_big_hello_frees_its_buffer_without_the_cycl
             gc.enable()
 
 
+def _hello_bytes(learner_id: int = 0, generation: int = 1) -> bytes:
+    return encode_bytes(make_hello(learner_id, generation))
+
+
+def test_past_the_unsettled_cap_the_oldest_waiting_socket_makes_room() -> None:
+    # The newcomer used to be closed instead: 256 idle sockets locked every learner out.
+    groups = ConnectionGroups(M, max_unsettled=4)
+    for conn in range(1, 5):
+        assert groups.open(conn, float(conn)) == []
+    groups.receive(2, struct.pack("<IBQ", FRAME_MAGIC, FrameType.HELLO, 500)[:7], 2.0)
+    assert groups.open(5, 5.0) == [Hangup(1)]  # the oldest, without ERROR: a learner redials
+    assert groups.open(6, 6.0) == [Hangup(2)]  # half a header does not make it younger
+    assert not groups.is_open(1) and not groups.is_open(2)
+    assert groups.receive(6, _hello_bytes(), 6.0) == []
+    assert isinstance(groups.pop_event(), HelloReceived)
+
+
+def test_a_socket_whose_hello_the_coordinator_is_deciding_is_never_evicted() -> None:
+    groups = ConnectionGroups(M, max_unsettled=2)
+    for conn, learner in ((1, 0), (2, 1)):
+        groups.open(conn, 0.0)
+        groups.receive(conn, _hello_bytes(learner), 0.0)  # both wait for the coordinator
+    assert groups.open(3, 1.0) == [Hangup(3)]  # so the newcomer is the one turned away
+    assert groups.is_open(1) and groups.is_open(2) and not groups.is_open(3)
+
+
+def test_sockets_without_a_group_share_a_bound_on_the_bytes_they_hold() -> None:
+    # 256 half-sent 16 MiB HELLOs held 4 GiB before anyone was authenticated.
+    groups = ConnectionGroups(M, max_unsettled_bytes=3000)
+    big_hello = struct.pack("<IBQ", FRAME_MAGIC, FrameType.HELLO, 16 << 20)
+    for conn in (1, 2):
+        groups.open(conn, 0.0)
+        assert groups.receive(conn, big_hello + bytes(1400), 0.0) == []
+    groups.open(3, 0.0)
+    assert groups.receive(3, big_hello + bytes(1400), 0.0) == [Hangup(1)]  # the oldest goes
+    assert not groups.is_open(1) and groups.is_open(2) and groups.is_open(3)
+    # What a socket held stops counting once it is gone.
+    groups.lost(2, "test")
+    groups.lost(3, "test")
+    groups.open(4, 0.0)
+    assert groups.receive(4, big_hello + bytes(2900), 0.0) == []
+    assert groups.is_open(4)
+
+
 def test_refused_hello_gets_the_error_and_no_group() -> None:
     async def scenario() -> None:
         coordinator = AdmitAll(refuse=[2])

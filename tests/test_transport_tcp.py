@@ -19,6 +19,7 @@ from scripted_learner import LearnerGroup, SessionSpec
 from yeto_proto import (
     FRAME_MAGIC,
     BcastFragment,
+    DataHello,
     ErrorMessage,
     FrameDecoder,
     FrameType,
@@ -508,6 +509,74 @@ def test_shutdown_ends_within_its_grace_when_a_learner_stopped_reading() -> None
 
     stopped_in = run_and_return(scenario())
     assert stopped_in < grace + 0.3
+
+
+def test_a_peer_that_leaves_while_its_socket_is_held_back_is_noticed_at_once() -> None:
+    # A DATA_HELLO socket waiting for its group reads nothing past 1 MiB: its EOF hides behind
+    # the unread bytes. It used to be polled every 10 ms and kept its place until the 10 s
+    # attach deadline all the same.
+    def leaving_peer(address: tuple[str, int]) -> float:
+        with socket.create_connection(address, timeout=10) as sock:
+            sock.sendall(encode_bytes(DataHello(0, 99, 0)) + bytes((1 << 20) + (64 << 10)))
+            time.sleep(0.3)  # held back by now
+        return time.monotonic()
+
+    async def scenario() -> float:
+        groups = ConnectionGroups(2)
+        async with TcpTransport.serve(groups, MonotonicClock(), "127.0.0.1", 0) as transport:
+            async with anyio.create_task_group() as tasks:
+
+                async def pump_events() -> None:  # no coordinator: nothing to admit
+                    while True:
+                        await transport.next_event(None)
+
+                tasks.start_soon(pump_events)
+                left_at = await anyio.to_thread.run_sync(leaving_peer, transport.address)
+                with anyio.fail_after(5):
+                    while groups.is_open(1):
+                        await anyio.sleep(0.01)
+                tasks.cancel_scope.cancel()
+        return time.monotonic() - left_at
+
+    assert run_and_return(scenario()) < 1.0
+
+
+def test_at_the_socket_limit_the_oldest_socket_without_a_group_makes_room() -> None:
+    # Idle sockets holding every peer slot kept a learner out until their 10 s deadline.
+    def idle_peers_then_a_learner(address: tuple[str, int]) -> float:
+        idle = [socket.create_connection(address, timeout=10) for _ in range(3)]
+        try:
+            time.sleep(0.2)
+            started = time.monotonic()
+            group = LearnerGroup(address, SPEC, learner_id=0, generation=1, num_streams=0)
+            group.connect()
+            try:
+                assert group.receive(10.0) == PullReq(0, 1, 1)
+                return time.monotonic() - started
+            finally:
+                group.close()
+        finally:
+            for sock in idle:
+                sock.close()
+
+    async def scenario() -> float:
+        coordinator = Stand_in(on_ready=lambda key: [Send(key, PullReq(0, 1, 1))])
+        groups = ConnectionGroups(2)
+        clock = MonotonicClock()
+        async with TcpTransport.serve(
+            groups, clock, "127.0.0.1", 0, max_peers=3, linger=0.5
+        ) as transport:
+            driver = Driver(coordinator, transport, clock, log=KeyValueLog(min_level="error"))
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(driver.run, transport)
+                with anyio.fail_after(20):
+                    waited = await anyio.to_thread.run_sync(
+                        idle_peers_then_a_learner, transport.address
+                    )
+                tasks.cancel_scope.cancel()
+        return waited
+
+    assert run_and_return(scenario()) < 3.0
 
 
 # -- the send queue ------------------------------------------------------------------------------

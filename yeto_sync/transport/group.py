@@ -9,6 +9,10 @@ out the :data:`WireCommand` values it returns, and hands the coordinator the eve
 
 The rules it enforces (PINNED.md § HELLO and DATA_HELLO, § Striping):
 
+- at most ``max_unsettled`` sockets wait for their first frame or their group, holding at most
+  ``max_unsettled_bytes`` between them: past either bound the oldest of them (not one whose HELLO
+  the coordinator is deciding) is closed, without ERROR (a learner caught by it redials, where
+  ERROR would end its run), so a learner whose handshake takes milliseconds always gets in;
 - a socket's first frame must arrive within ``handshake_timeout`` seconds (``HANDSHAKE_TIMEOUT``);
   a HELLO becomes :class:`~yeto_sync.events.HelloReceived` and waits, without a deadline, for
   the coordinator's answer (a busy coordinator is not the peer's fault);
@@ -69,6 +73,7 @@ from ..events import (
 )
 from ..payload_progress import PayloadProgress
 from .finite_scan import FiniteScan
+from .log_throttle import LogThrottle
 
 HANDSHAKE_TIMEOUT_S = 10.0
 ATTACH_TIMEOUT_S = 10.0
@@ -76,6 +81,8 @@ ATTACH_TIMEOUT_S = 10.0
 MAX_HELD_MESSAGES = 256
 #: Sockets that have not yet become part of a group (each may hold a HELLO of up to 16 MiB).
 MAX_UNSETTLED_SOCKETS = 256
+#: Bytes those sockets may hold between them (16 HELLOs of the largest size).
+MAX_UNSETTLED_BYTES = 256 << 20
 
 FIRST_FRAME_PREFIX = "invalid first frame: "
 HELLO_AUTH_PREFIX = "HELLO authentication failed: "
@@ -174,7 +181,7 @@ class Phase(enum.Enum):
 
 
 class _Socket:
-    __slots__ = ("conn", "decoder", "phase", "deadline", "group", "stream_idx", "claim")
+    __slots__ = ("conn", "decoder", "phase", "deadline", "group", "stream_idx", "claim", "held")
 
     def __init__(self, conn: ConnId, decoder: FrameDecoder, deadline: float) -> None:
         self.conn = conn
@@ -184,6 +191,8 @@ class _Socket:
         self.group: GroupKey | None = None
         self.stream_idx: int | None = None  # None: the control socket (stream 0)
         self.claim: DataHello | None = None
+        #: Bytes received before the socket joined a group (counted against the shared bound).
+        self.held = 0
 
     def describe(self) -> str:
         return "stream 0" if self.stream_idx is None else f"data stream {self.stream_idx}"
@@ -243,6 +252,7 @@ class ConnectionGroups:
         handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
         attach_timeout: float = ATTACH_TIMEOUT_S,
         max_unsettled: int = MAX_UNSETTLED_SOCKETS,
+        max_unsettled_bytes: int = MAX_UNSETTLED_BYTES,
         log: LogFn | None = None,
     ) -> None:
         self.num_learners = num_learners
@@ -250,10 +260,14 @@ class ConnectionGroups:
         self.handshake_timeout = handshake_timeout
         self.attach_timeout = attach_timeout
         self.max_unsettled = max_unsettled
+        self.max_unsettled_bytes = max_unsettled_bytes
         self._log = log if log is not None else _no_log
+        self._throttle = LogThrottle()
         self.events: deque[Event] = deque()
         self._sockets: dict[ConnId, _Socket] = {}
-        self._unsettled: dict[ConnId, _Socket] = {}  # every socket not yet a member
+        #: Every socket not yet a member, oldest first.
+        self._unsettled: dict[ConnId, _Socket] = {}
+        self._unsettled_bytes = 0
         self._groups: dict[GroupKey, _Group] = {}
         #: HELLOs handed to the coordinator and not yet answered, by socket.
         self._pending: dict[ConnId, GroupKey] = {}
@@ -290,22 +304,32 @@ class ConnectionGroups:
         if conn in self._sockets:
             raise ValueError(f"connection {conn} is already open")
         if len(self._unsettled) >= self.max_unsettled:
-            self._log("warning", "connection refused", {"conn": conn, "reason": "too many"})
-            return [Hangup(conn)]
+            oldest = self._oldest_evictable()
+            if oldest is None:  # every one of them waits for the coordinator's answer
+                self._log("warning", "connection refused", {"conn": conn, "reason": "too many"})
+                return [Hangup(conn)]
+            self._evict(oldest, f"{self.max_unsettled} sockets without a group", now)
         decoder = FrameDecoder(
             Role.SYNCER, num_learners=self.num_learners, hello_key=self.hello_key
         )
         sock = _Socket(conn, decoder, now + self.handshake_timeout)
         self._sockets[conn] = sock
         self._unsettled[conn] = sock
-        return []
+        return self._take_wire()  # the socket evicted to make room, if any
+
+    def make_room(self, now: float) -> list[WireCommand]:
+        """No socket can be opened now (out of descriptors): close the oldest without a group."""
+        oldest = self._oldest_evictable()
+        if oldest is not None:
+            self._evict(oldest, "no room for a new connection", now)
+        return self._take_wire()
 
     def receive(
         self, conn: ConnId, data: bytes | bytearray | memoryview, now: float
     ) -> list[WireCommand]:
         """Bytes read from ``conn`` (``b""`` = the peer closed it). The data is copied."""
         sock = self._sockets.get(conn)
-        if sock is not None:
+        if sock is not None and self._may_hold(sock, len(data), now):
             sock.decoder.feed(data)
             self._drain(sock, now)
         return self._take_wire()
@@ -318,7 +342,7 @@ class ConnectionGroups:
     def receive_direct(self, conn: ConnId, count: int, now: float) -> list[WireCommand]:
         """``count`` bytes were read in place, into :meth:`next_read`'s view (``count`` > 0)."""
         sock = self._sockets.get(conn)
-        if sock is None:
+        if sock is None or not self._may_hold(sock, count, now):
             return self._take_wire()
         decoder, scan = sock.decoder, self._scan_of(sock)
         if scan is None:
@@ -365,7 +389,7 @@ class ConnectionGroups:
             raise ValueError(f"group {key} is already open")
         group = _Group(key, conn, num_streams, limits, now + self.attach_timeout)
         self._groups[key] = group
-        del self._unsettled[conn]
+        self._settle(sock)
         sock.phase, sock.group, sock.deadline = Phase.MEMBER, key, None
         sock.decoder.chunk_sink = group.reassembler  # CHUNK data lands in place, uncopied
         sock.decoder.set_limits(limits)
@@ -480,6 +504,41 @@ class ConnectionGroups:
         return self._take_wire()
 
     # -- internals -------------------------------------------------------------------------
+    def _may_hold(self, sock: _Socket, size: int, now: float) -> bool:
+        """Count ``size`` more bytes on ``sock``; False if the bound on what sockets without a
+        group hold closed it (the oldest go first, so usually another one closes)."""
+        if sock.conn not in self._unsettled:
+            return True
+        sock.held += size
+        self._unsettled_bytes += size
+        while self._unsettled_bytes > self.max_unsettled_bytes:
+            oldest = self._oldest_evictable()
+            if oldest is None:
+                break  # only HELLOs the coordinator is deciding: they settle soon
+            why = f"sockets without a group held more than {self.max_unsettled_bytes} bytes"
+            self._evict(oldest, why, now)
+        return sock.conn in self._sockets
+
+    def _oldest_evictable(self) -> _Socket | None:
+        """The oldest socket still waiting for its first frame or its group, if any."""
+        return next((s for s in self._unsettled.values() if s.phase is not Phase.ADMISSION), None)
+
+    def _evict(self, sock: _Socket, why: str, now: float) -> None:
+        """Close an unsettled socket to make room; no ERROR (a learner redials after a close)."""
+        held_back = self._throttle.due("evicted", now)
+        if held_back is not None:  # one line per period: a flood of sockets is no flood of lines
+            fields = {"conn": sock.conn, "phase": sock.phase.value, "why": why}
+            if held_back:
+                fields["held_back"] = held_back
+            self._log("warning", "oldest socket without a group closed", fields)
+        self._drop_socket(sock, why, error=None)
+
+    def _settle(self, sock: _Socket) -> None:
+        """``sock`` leaves the unsettled sockets (joined a group, or closed)."""
+        if self._unsettled.pop(sock.conn, None) is not None:
+            self._unsettled_bytes -= sock.held
+            sock.held = 0
+
     def _take_wire(self) -> list[WireCommand]:
         wire, self._wire = self._wire, []
         return wire
@@ -564,7 +623,7 @@ class ConnectionGroups:
             )
             return False
         group.data[index] = sock.conn
-        del self._unsettled[sock.conn]
+        self._settle(sock)
         sock.phase, sock.group, sock.stream_idx = Phase.MEMBER, group.key, index
         sock.deadline, sock.claim = None, None
         sock.decoder.chunk_sink = group.reassembler
@@ -633,8 +692,9 @@ class ConnectionGroups:
         self.events.append(GroupClosed(group.key, reason))
 
     def _forget(self, conn: ConnId) -> None:
-        self._sockets.pop(conn, None)
-        self._unsettled.pop(conn, None)
+        sock = self._sockets.pop(conn, None)
+        if sock is not None:
+            self._settle(sock)
 
 
 def _claimed(claim: DataHello) -> GroupKey:

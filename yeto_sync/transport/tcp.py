@@ -40,6 +40,7 @@ import contextlib
 import errno
 import math
 import resource
+import select
 import socket
 import sys
 import time
@@ -71,8 +72,9 @@ SEND_STALL_TIMEOUT_S = 60.0
 LINGER_S = 2.0
 MAX_EVENT_BACKLOG = 1024
 LISTEN_BACKLOG = 512
-#: How often a socket that may not read yet (its group is not settled) looks again.
-HELD_BACK_POLL_S = 0.01
+#: A socket that may not read yet (its group is not settled) is woken when that may have
+#: changed (admission, a hangup); it also looks again this often, as a safety net.
+HELD_BACK_RECHECK_S = 5.0
 #: iovecs per sendmsg call (Linux allows 1024).
 IOV_BATCH = 512
 #: After a write of at least this many bytes a writer lets the other sockets' tasks run.
@@ -200,6 +202,48 @@ class _Peer:
     scope: anyio.CancelScope | None = None
     #: The shielded scope of the frame being written, so a hard stop can cut it.
     frame_scope: anyio.CancelScope | None = None
+    #: Set while the reader may not read (its group is not settled): wakes it.
+    held_back: anyio.Event | None = None
+    #: The peer closed (or reset) the socket while it was held back.
+    hung_up: bool = False
+
+
+class _HangupWatch:
+    """Notices peers that close sockets which may not be read yet (Linux: EPOLLRDHUP).
+
+    A held-back socket's unread bytes hide its EOF from ``recv``; without this, a peer that sent
+    DATA_HELLO and left kept its place among the sockets without a group until its deadline.
+    """
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self._watched: dict[int, _Peer] = {}
+
+    def add(self, peer: _Peer) -> None:
+        fd = peer.sock.fileno()
+        self._epoll.register(fd, select.EPOLLRDHUP)  # HUP and ERR are always reported
+        self._watched[fd] = peer
+
+    def discard(self, peer: _Peer) -> None:
+        fd = peer.sock.fileno()
+        if self._watched.pop(fd, None) is not None:
+            with contextlib.suppress(OSError):
+                self._epoll.unregister(fd)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await anyio.wait_readable(self._epoll.fileno())
+                for fd, _ in self._epoll.poll(0):
+                    peer = self._watched.get(fd)
+                    if peer is None:
+                        continue
+                    self.discard(peer)
+                    peer.hung_up = True
+                    if peer.held_back is not None:
+                        peer.held_back.set()
+        finally:
+            self._epoll.close()
 
 
 @dataclass(eq=False)
@@ -302,6 +346,7 @@ class TcpTransport:
         self.max_peers = peer_socket_cap(listener.fileno() + 1) if max_peers is None else max_peers
         self._peer_left = anyio.Event()
         self._throttle = LogThrottle()
+        self._hangups = _HangupWatch() if hasattr(select, "epoll") else None
         self._outboxes: dict[GroupKey, _Outbox] = {}
         self._recv_view = memoryview(bytearray(RECV_BUFFER_SIZE))
         self._next_conn = 1
@@ -345,6 +390,8 @@ class TcpTransport:
                 max_peers=max_peers,
             )
             tg.start_soon(transport._accept_loop)
+            if transport._hangups is not None:
+                tg.start_soon(transport._hangups.run)
             try:
                 yield transport
             finally:
@@ -385,6 +432,10 @@ class TcpTransport:
     # -- the Transport protocol --------------------------------------------------------------
     def admit(self, conn: ConnId, group: GroupKey, num_streams: int, limits: Limits) -> None:
         self._apply(self.groups.admit(conn, group, num_streams, limits, self.clock.now()))
+        # Its sockets may read now; held-back sockets are few, and admissions rare.
+        for peer in self._peers.values():
+            if peer.held_back is not None:
+                peer.held_back.set()
 
     def refuse(self, conn: ConnId, error: ErrorMessage) -> None:
         self._apply(self.groups.refuse(conn, error))
@@ -490,6 +541,8 @@ class TcpTransport:
             if isinstance(command, Hangup):
                 last = encode(command.error) if command.error is not None else None
                 peer.queue.close(last=last, discard=True)
+                if peer.held_back is not None:  # its reader drains until the peer's EOF
+                    peer.held_back.set()
             else:  # only route() produces frames, and send() queues those itself
                 raise AssertionError("Transmit outside send()")
         self._wake_driver()
@@ -536,7 +589,8 @@ class TcpTransport:
             self._apply(self.groups.open(conn, self.clock.now()))
 
     async def _room_for_a_peer(self) -> None:
-        """Every peer slot is taken: wait (bounded) for one to close; newcomers stay queued."""
+        """Every peer slot is taken and someone waits: close the oldest socket without a group,
+        if any, and wait (bounded) for a slot; newcomers stay in the listen queue meanwhile."""
         self._log_throttled(
             "warning",
             "peer socket limit reached: new connections wait",
@@ -544,7 +598,10 @@ class TcpTransport:
         )
         if self._peer_left.is_set():
             self._peer_left = anyio.Event()
-        with anyio.move_on_after(1.0):
+        evicted = self.groups.make_room(self.clock.now())
+        self._apply(evicted)
+        # An evicted socket lingers for its peer's EOF: wait that out before evicting another.
+        with anyio.move_on_after(self.linger + 1.0 if evicted else 1.0):
             await self._peer_left.wait()
 
     def _log_throttled(self, level: str, text: str, fields: dict[str, object]) -> None:
@@ -590,7 +647,10 @@ class TcpTransport:
                 if not into:
                     # The socket holds all it may before its group is settled: read nothing
                     # (TCP pushes back on the peer) until admission or the attach deadline.
-                    await anyio.sleep(HELD_BACK_POLL_S)
+                    if not await self._held_back(peer):
+                        reason = "peer closed while its socket waited for its group"
+                        self._apply(self.groups.lost(conn, reason))
+                        return
                     continue
                 try:
                     size = sock.recv_into(into)
@@ -609,6 +669,20 @@ class TcpTransport:
                     return
         finally:
             peer.reader_done.set()
+
+    async def _held_back(self, peer: _Peer) -> bool:
+        """Wait until the socket may read again (bounded); False if the peer hung up."""
+        peer.held_back = anyio.Event()
+        if self._hangups is not None:
+            self._hangups.add(peer)
+        try:
+            with anyio.move_on_after(HELD_BACK_RECHECK_S):
+                await peer.held_back.wait()
+        finally:
+            peer.held_back = None
+            if self._hangups is not None:
+                self._hangups.discard(peer)
+        return not peer.hung_up
 
     async def _room_for_events(self) -> None:
         """Let other tasks run; while the driver is behind, stop reading (TCP pushes back)."""
