@@ -8,6 +8,7 @@ from sim import Sim, avg_layout
 from yeto_proto.errors import ErrorCode
 from yeto_proto.messages import BcastFragment, InitParams, PullReq
 from yeto_sync.config import SyncerConfig
+from yeto_sync.coordinator.registry import MAX_OPEN_GENERATIONS
 from yeto_sync.events import CloseGroup, GroupKey
 
 LAYOUT = avg_layout((4,), (3, 2), (5,))
@@ -124,3 +125,34 @@ def test_ready_before_init_gets_only_initialized_fragments() -> None:
     b.connect()
 
     assert [(m.fragment_id, m.version) for m in sim.sends_to(b.key, BcastFragment)] == [(0, 0)]
+
+
+def test_a_learner_id_keeps_a_bounded_number_of_generations_open() -> None:
+    # Each open generation may hold 64 partial messages: one learner id redialing (or faking
+    # redials) without end held unbounded reassembly memory.
+    sim = Sim(SyncerConfig(learners=2, total_steps=3, pipeline=1), LAYOUT)
+    a, _ = sim.start(auto=False)
+    current = a.key
+    pending = [a.connect(ready=False) for _ in range(MAX_OPEN_GENERATIONS - 1)]
+    assert not sim.of_type(CloseGroup)  # the cap itself is fine
+    newest = a.connect(ready=False)
+    # One over: the oldest that is not current goes, without ERROR; the current one stays.
+    (closed,) = sim.of_type(CloseGroup)
+    assert closed.group == pending[0] and closed.error is None
+    registry = sim.coordinator.registry
+    assert registry.current_of(0) == current and registry.is_open(newest)
+    assert not registry.is_open(pending[0])
+    for _ in range(10):
+        a.connect(ready=False)
+    opened = [k for k in (current, *pending, newest) if registry.is_open(k)]
+    assert registry.current_of(0) == current and current in opened
+    assert sum(1 for g in sim.of_type(CloseGroup)) == 11
+
+
+def test_the_oldest_superseded_generation_goes_first() -> None:
+    sim = Sim(SyncerConfig(learners=2, total_steps=3, pipeline=1), LAYOUT)
+    a, _ = sim.start(auto=False)
+    generations = [a.key] + [a.connect() for _ in range(MAX_OPEN_GENERATIONS)]
+    (closed,) = sim.of_type(CloseGroup)
+    assert closed.group == generations[0]
+    assert sim.coordinator.registry.current_of(0) == generations[-1]

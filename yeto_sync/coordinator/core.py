@@ -78,7 +78,7 @@ from . import tape
 from .admission import Admission, Refusal, SessionIdentity
 from .cutoff import CUTOFF_TIMER, BudgetCutoff, cancel_record, cutoff_record, report_record
 from .finalize import Finalization
-from .registry import Registry
+from .registry import MAX_OPEN_GENERATIONS, Registry
 from .rounds import Accepted, Phase, Rejection, Round
 from .schedule import (
     RETRY_DELAY_S,
@@ -283,6 +283,17 @@ class Coordinator:
                 {"conn": conn, **_member_fields(key), "num_streams": hello.num_streams},
             )
         )
+        for old in self._registry.surplus_of(key.learner_id):
+            # Without ERROR: it may be a live learner's, which redials after a close.
+            self._registry.remove(old)
+            out.append(CloseGroup(old, None))
+            out.append(
+                Log(
+                    "warning",
+                    "old generation closed",
+                    {**_member_fields(old), "open_generations_cap": MAX_OPEN_GENERATIONS},
+                )
+            )
 
     def _open_session(self, conn: ConnId, hello: Hello, out: list[Action]) -> bool:
         """First accepted HELLO: check resume eligibility, then fix the session."""

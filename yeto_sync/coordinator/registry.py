@@ -5,6 +5,9 @@ is ready. A newer ready generation supersedes the old one for future launches, b
 stays registered while its sockets live, so it can still finish an attempt that captured it.
 Closing a superseded group never touches the current one. Only ready groups count as
 connected learners.
+
+A learner id keeps at most :data:`MAX_OPEN_GENERATIONS` groups open: each holds up to 64
+partial messages, so unlimited generations would be unlimited memory for one learner id.
 """
 
 from __future__ import annotations
@@ -12,6 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..events import ConnId, GroupKey
+
+#: Open groups per learner id: the current one, one superseded that may still finish an
+#: attempt that captured it, one attaching, and one spare for a quick redial.
+MAX_OPEN_GENERATIONS = 4
 
 
 @dataclass(slots=True, eq=False)
@@ -54,6 +61,17 @@ class Registry:
     def current_members(self) -> tuple[GroupKey, ...]:
         """The current ready generation of every connected learner, ascending."""
         return tuple(sorted(self._current.values()))
+
+    def surplus_of(self, learner_id: int) -> list[GroupKey]:
+        """The oldest-admitted groups of ``learner_id`` beyond :data:`MAX_OPEN_GENERATIONS`,
+        never its current one."""
+        others = sorted(
+            (g for g in self._groups.values() if g.key.learner_id == learner_id),
+            key=lambda g: g.sequence,
+        )
+        surplus = len(others) - MAX_OPEN_GENERATIONS
+        current = self._current.get(learner_id)
+        return [g.key for g in others if g.key != current][: max(0, surplus)]
 
     @property
     def connected_learners(self) -> int:
