@@ -389,6 +389,28 @@ def test_sockets_without_a_group_share_a_bound_on_the_bytes_they_hold() -> None:
     assert groups.is_open(4)
 
 
+def test_sockets_refused_before_joining_a_group_are_logged_once_per_period() -> None:
+    # Anyone can open sockets: 50 bad first frames wrote 50 warnings, each naming the socket
+    # "stream 0" though it had no stream yet.
+    lines: list[tuple[str, dict[str, object]]] = []
+    groups = ConnectionGroups(M, log=lambda level, text, fields: lines.append((text, dict(fields))))
+    for conn in range(1, 51):
+        groups.open(conn, conn * 0.1)  # 5 s in all: within one period
+        groups.receive(conn, struct.pack("<IBQ", 0xDEADBEEF, FrameType.HELLO, 10), conn * 0.1)
+    ((text, fields),) = lines
+    assert text == "protocol error before joining a group"
+    assert fields["socket"] == "unattached socket" and fields["conn"] == 1
+    groups.open(51, 12.0)
+    groups.receive(51, struct.pack("<IBQ", 0xDEADBEEF, FrameType.HELLO, 10), 12.0)
+    assert lines[-1][1]["held_back"] == 49 and lines[-1][1]["conn"] == 51
+    # A protocol error inside a group is always logged, with the socket's stream.
+    groups.open(60, 13.0)
+    groups.receive(60, _hello_bytes(), 13.0)
+    groups.admit(60, GroupKey(0, 1), 0, LIMITS, 13.0)
+    groups.receive(60, struct.pack("<IBQ", 0xDEADBEEF, FrameType.HEARTBEAT, 12), 13.0)
+    assert lines[-1][0] == "protocol error" and lines[-1][1]["socket"] == "stream 0"
+
+
 def test_refused_hello_gets_the_error_and_no_group() -> None:
     async def scenario() -> None:
         coordinator = AdmitAll(refuse=[2])

@@ -195,6 +195,8 @@ class _Socket:
         self.held = 0
 
     def describe(self) -> str:
+        if self.phase is not Phase.MEMBER:
+            return "unattached socket"  # no stream index yet, whatever its first frame says
         return "stream 0" if self.stream_idx is None else f"data stream {self.stream_idx}"
 
 
@@ -262,7 +264,10 @@ class ConnectionGroups:
         self.max_unsettled = max_unsettled
         self.max_unsettled_bytes = max_unsettled_bytes
         self._log = log if log is not None else _no_log
+        #: Lines about sockets without a group (anyone can cause them) are written at most
+        #: once per period; ``_now`` is the latest time a caller passed in.
         self._throttle = LogThrottle()
+        self._now = 0.0
         self.events: deque[Event] = deque()
         self._sockets: dict[ConnId, _Socket] = {}
         #: Every socket not yet a member, oldest first.
@@ -292,6 +297,16 @@ class ConnectionGroups:
         group = self._groups.get(key)
         return {} if group is None else dict(group.data)
 
+    def socket_fields(self, conn: ConnId) -> dict[str, object]:
+        """Log fields naming ``conn``: which socket it is and, once it has one, its group."""
+        sock = self._sockets.get(conn)
+        if sock is None:
+            return {"conn": conn}
+        fields: dict[str, object] = {"conn": conn, "socket": sock.describe()}
+        if sock.group is not None:
+            fields.update(learner_id=sock.group.learner_id, generation=sock.group.generation)
+        return fields
+
     def next_deadline(self) -> float | None:
         """The earliest handshake, attach or readiness deadline, if any is pending."""
         deadlines = [s.deadline for s in self._unsettled.values() if s.deadline is not None]
@@ -303,10 +318,12 @@ class ConnectionGroups:
         """A new socket: it has ``handshake_timeout`` seconds to send its first frame."""
         if conn in self._sockets:
             raise ValueError(f"connection {conn} is already open")
+        self._now = now
         if len(self._unsettled) >= self.max_unsettled:
             oldest = self._oldest_evictable()
             if oldest is None:  # every one of them waits for the coordinator's answer
-                self._log("warning", "connection refused", {"conn": conn, "reason": "too many"})
+                why = f"{self.max_unsettled} HELLOs wait for admission"
+                self._log_unsettled("warning", "connection refused", {"conn": conn, "why": why})
                 return [Hangup(conn)]
             self._evict(oldest, f"{self.max_unsettled} sockets without a group", now)
         decoder = FrameDecoder(
@@ -328,6 +345,7 @@ class ConnectionGroups:
         self, conn: ConnId, data: bytes | bytearray | memoryview, now: float
     ) -> list[WireCommand]:
         """Bytes read from ``conn`` (``b""`` = the peer closed it). The data is copied."""
+        self._now = now
         sock = self._sockets.get(conn)
         if sock is not None and self._may_hold(sock, len(data), now):
             sock.decoder.feed(data)
@@ -341,6 +359,7 @@ class ConnectionGroups:
 
     def receive_direct(self, conn: ConnId, count: int, now: float) -> list[WireCommand]:
         """``count`` bytes were read in place, into :meth:`next_read`'s view (``count`` > 0)."""
+        self._now = now
         sock = self._sockets.get(conn)
         if sock is None or not self._may_hold(sock, count, now):
             return self._take_wire()
@@ -475,6 +494,7 @@ class ConnectionGroups:
     # -- time ------------------------------------------------------------------------------
     def expire(self, now: float) -> list[WireCommand]:
         """Enforce every deadline that has passed."""
+        self._now = now
         for sock in [s for s in self._unsettled.values() if _due(s.deadline, now)]:
             if sock.phase is Phase.ATTACH and sock.claim is not None:
                 claim = sock.claim
@@ -525,13 +545,16 @@ class ConnectionGroups:
 
     def _evict(self, sock: _Socket, why: str, now: float) -> None:
         """Close an unsettled socket to make room; no ERROR (a learner redials after a close)."""
-        held_back = self._throttle.due("evicted", now)
-        if held_back is not None:  # one line per period: a flood of sockets is no flood of lines
-            fields = {"conn": sock.conn, "phase": sock.phase.value, "why": why}
-            if held_back:
-                fields["held_back"] = held_back
-            self._log("warning", "oldest socket without a group closed", fields)
+        self._now = now
+        fields: dict[str, object] = {"conn": sock.conn, "phase": sock.phase.value, "why": why}
+        self._log_unsettled("warning", "oldest socket without a group closed", fields)
         self._drop_socket(sock, why, error=None)
+
+    def _log_unsettled(self, level: str, text: str, fields: dict[str, object]) -> None:
+        """Log a line about a socket without a group: one per period, counting the rest."""
+        held_back = self._throttle.due(text, self._now)
+        if held_back is not None:
+            self._log(level, text, {**fields, "held_back": held_back} if held_back else fields)
 
     def _settle(self, sock: _Socket) -> None:
         """``sock`` leaves the unsettled sockets (joined a group, or closed)."""
@@ -665,10 +688,11 @@ class ConnectionGroups:
     def _fail(self, sock: _Socket, error: ProtocolError) -> None:
         """A protocol error on ``sock``: ERROR there, then close it and its group."""
         text = error_text(error, first_frame=sock.phase is Phase.HANDSHAKE)
-        fields: dict[str, object] = {"conn": sock.conn, "socket": sock.describe(), "error": text}
+        fields = {**self.socket_fields(sock.conn), "error": text}
         if sock.group is not None:
-            fields.update(learner_id=sock.group.learner_id, generation=sock.group.generation)
-        self._log("warning", "protocol error", fields)
+            self._log("warning", "protocol error", fields)
+        else:  # refused before it joined a group: anyone can cause these
+            self._log_unsettled("warning", "protocol error before joining a group", fields)
         self._drop_socket(sock, text, error=ErrorMessage(text))
 
     def _drop_socket(self, sock: _Socket, reason: str, *, error: ErrorMessage | None) -> None:

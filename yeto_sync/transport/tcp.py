@@ -493,8 +493,7 @@ class TcpTransport:
             with anyio.move_on_after(self.stall_timeout) as waited:
                 queued = await peer.queue.put(frame, transmit.size)
             if waited.cancelled_caught:
-                reason = f"send queue full for {self.stall_timeout:g} s"
-                self._apply(self.groups.lost(transmit.conn, reason))
+                self._drop_stalled(transmit.conn, "its send queue stayed full")
                 return False
             if not queued:
                 return False  # the group closed while we waited
@@ -584,7 +583,8 @@ class TcpTransport:
             conn, self._next_conn = self._next_conn, self._next_conn + 1
             peer = _Peer(conn, sock, _address_text(address), SendQueue(self.send_queue_bytes))
             self._peers[conn] = peer
-            self._log("info", "connection opened", {"conn": conn, "peer": peer.address})
+            # Anyone can open connections: one line per period, with the count of the others.
+            self._log_throttled("info", "connection opened", {"conn": conn, "peer": peer.address})
             self._tg.start_soon(self._serve_peer, peer)
             self._apply(self.groups.open(conn, self.clock.now()))
 
@@ -625,8 +625,12 @@ class TcpTransport:
             peer.sock.close()
             del self._peers[peer.conn]
             self._peer_left.set()
+            fields = {**self.groups.socket_fields(peer.conn), "peer": peer.address}
             self._apply(self.groups.lost(peer.conn, "socket closed"))
-            self._log("info", "connection closed", {"conn": peer.conn, "peer": peer.address})
+            if "learner_id" in fields:  # a group's socket: always worth its line
+                self._log("info", "connection closed", fields)
+            else:
+                self._log_throttled("info", "connection closed", fields)
 
     async def _read_loop(self, peer: _Peer) -> None:
         # One buffer serves every socket: each read is handed to the decoder (which copies it)
@@ -710,11 +714,23 @@ class TcpTransport:
             if isinstance(exc, PayloadWithdrawn):
                 # Half a message is on the wire and will never be completed: cut it off.
                 reason = "broadcast withdrawn: its merge failed"
+            elif isinstance(exc, SendStalled):
+                self._drop_stalled(peer.conn, "it accepted no bytes")
+                return False
             else:
-                reason = "send stalled" if isinstance(exc, SendStalled) else f"send failed: {exc}"
+                reason = f"send failed: {exc}"
             self._apply(self.groups.lost(peer.conn, reason))
             return False
         return True
+
+    def _drop_stalled(self, conn: ConnId, what: str) -> None:
+        """A socket whose peer stopped reading: say which one, then drop its group."""
+        fields = self.groups.socket_fields(conn)
+        where = fields.get("socket", "socket")
+        reason = f"send stalled: {what} for {self.stall_timeout:g} s on {where} (conn {conn})"
+        fields.update(stall_timeout_s=self.stall_timeout, why=what)
+        self._log("warning", "a learner stopped reading: its group is dropped", fields)
+        self._apply(self.groups.lost(conn, reason))
 
     def prefers_streaming(self) -> bool:
         """Whether a commit should stream its BCAST: some learner's link is slow lately."""
