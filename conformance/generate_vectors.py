@@ -5804,13 +5804,120 @@ def identity_file() -> Json:
         [
             "Session identity: layout fingerprints of named layouts, syncer profile hashes of",
             "configurations, and HELLO MACs. canonical_hex is the exact SHA-256 preimage.",
+            "Layout files (spec/checkpoint.md § 6): the file's bytes, then its fingerprint or",
+            "CKPT_BAD_LAYOUT.",
         ],
         [
             {"type": "LayoutFingerprintTest", "tests": fingerprints},
             {"type": "ProfileHashTest", "tests": profiles},
             {"type": "HelloMacTest", "tests": macs},
+            {"type": "LayoutFileTest", "tests": layout_file_tests()},
         ],
     )
+
+
+def layout_file_tests() -> list[Json]:
+    """Layout files as `yeto checkpoint export` reads them: strict types, no coercion."""
+    named = S_THREE.layout
+    good = named.file_json()
+    fingerprint = named.fingerprint().hex()
+    first, *rest = good["fragments"]
+
+    def text(document: Any) -> bytes:
+        return json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
+
+    def with_fragments(*fragments: Json) -> Json:
+        return {"format": "yeto-layout-v1", "fragments": list(fragments)}
+
+    def with_tensor(**changes: Any) -> Json:
+        """``good`` with the first tensor of its first fragment changed."""
+        tensors = [{**first["tensors"][0], **changes}, *first["tensors"][1:]]
+        return with_fragments({**first, "tensors": tensors}, *rest)
+
+    def ok(comment: str, data: bytes, named_layout: NamedLayout, *flags: str) -> Json:
+        return {
+            "comment": comment,
+            "flags": list(flags),
+            "hex": data.hex(),
+            "fingerprint": named_layout.fingerprint().hex(),
+            "result": "valid",
+        }
+
+    def bad(comment: str, data: bytes, *flags: str) -> Json:
+        return {
+            "comment": comment,
+            "flags": list(flags),
+            "hex": data.hex(),
+            "result": "invalid",
+            "code": "CKPT_BAD_LAYOUT",
+        }
+
+    scalar = layout((AVG, [("t", ())]))
+    deep = layout((AVG, [("t", (1,) * 64)]))
+    widest = layout((AVG, [("t", ((1 << 64) - 1,))]))
+    annotated = [
+        {**f, "x": [], "tensors": [{**t, "dtype": "f32"} for t in f["tensors"]]}
+        for f in good["fragments"]
+    ]
+    wrong_digit = fingerprint[:-1] + ("0" if fingerprint[-1] != "0" else "1")
+    return [
+        ok("as yeto writes it", text({**good, "fingerprint": fingerprint}), named, "Normal"),
+        ok("without the optional fingerprint", text(good), named, "Normal"),
+        ok("fingerprint null counts as absent", text({**good, "fingerprint": None}), named),
+        ok(
+            "unknown keys are ignored at every level",
+            text({**with_fragments(*annotated), "note": 1}),
+            named,
+        ),
+        ok("a scalar tensor: shape []", text(scalar.file_json()), scalar, "Boundary"),
+        ok("64 dimensions (the most)", text(deep.file_json()), deep, "Boundary"),
+        ok("a dimension of 2^64-1", text(widest.file_json()), widest, "Boundary"),
+        bad("not JSON", b"{format: yeto-layout-v1}"),
+        bad("an empty file", b""),
+        bad(
+            "a name that is not UTF-8 (Latin-1 \u00e9)",
+            text(with_tensor(name="caf\u00e9")).replace("caf\u00e9".encode(), b"caf\xe9"),
+        ),
+        bad("a JSON array", text([good])),
+        bad("another format", text({**good, "format": "yeto-layout-v2"})),
+        bad("no format", text({"fragments": good["fragments"]})),
+        bad("no fragments", text(with_fragments())),
+        bad(
+            "merge_mode AVG (names are lower case)",
+            text(with_fragments({**first, "merge_mode": "AVG"}, *rest)),
+        ),  # fmt: skip
+        bad("a fragment without tensors", text(with_fragments({**first, "tensors": []}, *rest))),
+        bad("a number as a name", text(with_tensor(name=5))),
+        bad(
+            "a lone surrogate as a name (the JSON escape \\ud800)",
+            json.dumps(with_tensor(name="\ud800")).encode("ascii"),
+        ),
+        bad("a dimension 4.9 (never cut to 4)", text(with_tensor(shape=[4.9]))),
+        bad("a dimension 4.0", text(with_tensor(shape=[4.0]))),
+        bad('a dimension "4"', text(with_tensor(shape=["4"]))),
+        bad("a dimension true", text(with_tensor(shape=[True]))),
+        bad("a dimension 0", text(with_tensor(shape=[0, 4])), "Boundary"),
+        bad("a dimension 2^64", text(with_tensor(shape=[1 << 64])), "Boundary"),
+        bad("65 dimensions", text(with_tensor(shape=[1] * 65)), "Boundary"),
+        bad("numel over 2^64-1", text(with_tensor(shape=[1 << 32, 1 << 32])), "IntegerOverflow"),
+        bad(
+            "a name used twice",
+            text(
+                with_fragments(
+                    *good["fragments"], {"merge_mode": "avg", "tensors": first["tensors"][:1]}
+                )
+            ),
+        ),  # fmt: skip
+        bad(
+            "an iso tensor of one dimension",
+            text(with_fragments({"merge_mode": "iso", "tensors": [{"name": "a", "shape": [4]}]})),
+        ),  # fmt: skip
+        bad(
+            "a fingerprint that is not the fragments' (last digit changed)",
+            text({**good, "fingerprint": wrong_digit}),
+        ),
+        bad("the fingerprint in upper case", text({**good, "fingerprint": fingerprint.upper()})),
+    ]
 
 
 # -- output --------------------------------------------------------------------------------------

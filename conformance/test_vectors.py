@@ -77,8 +77,10 @@ from yeto_proto import (
     hello_mac,
     verify_hello,
 )
+from yeto_proto.checkpoint import load_layout
 from yeto_proto.constants import FINALIZATION_REVISION
 from yeto_proto.dtypes import bf16_to_f32, f32_to_bf16, q4_decode, q4_encode
+from yeto_proto.errors import CheckpointError
 from yeto_sync.config import SyncerConfig
 from yeto_sync.coordinator import Coordinator
 from yeto_sync.events import (
@@ -749,6 +751,18 @@ def test_layout_fingerprint(case: Case) -> None:
     expected = case.test["fingerprint"]
     assert hashlib.sha256(bytes.fromhex(case.test["canonical_hex"])).hexdigest() == expected
     assert Layout.from_json_dict(case.test["layout"]).fingerprint().hex() == expected
+
+
+@params(cases("LayoutFileTest"))
+def test_layout_file(case: Case, tmp_path: Path) -> None:
+    path = tmp_path / "layout.json"
+    path.write_bytes(bytes.fromhex(case.test["hex"]))
+    if case.result == "valid":
+        assert load_layout(path).fingerprint().hex() == case.test["fingerprint"]
+        return
+    with pytest.raises(CheckpointError) as caught:
+        load_layout(path)
+    assert caught.value.code.value == case.code
 
 
 @params(cases("ProfileHashTest"))
