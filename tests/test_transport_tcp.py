@@ -7,7 +7,7 @@ import re
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 import anyio
@@ -39,6 +39,7 @@ from yeto_sync.driver import Driver, KeyValueLog
 from yeto_sync.events import (
     Action,
     AdmitGroup,
+    ConnId,
     Event,
     Exit,
     GroupClosed,
@@ -49,7 +50,7 @@ from yeto_sync.events import (
     Send,
 )
 from yeto_sync.transport import MonotonicClock
-from yeto_sync.transport.group import ConnectionGroups
+from yeto_sync.transport.group import ConnectionGroups, LogFn, WireCommand
 from yeto_sync.transport.log_throttle import LogThrottle
 from yeto_sync.transport.tcp import (
     MAX_EVENT_BACKLOG,
@@ -117,6 +118,7 @@ async def serve(
     groups: ConnectionGroups | None = None,
     send_queue_bytes: int = 64 << 20,
     stall_timeout: float = 60.0,
+    log: LogFn | None = None,
 ) -> tuple[Exit, object]:
     """Run the driver on a fresh TCP transport while ``learner(address)`` runs in a thread."""
     groups = groups or ConnectionGroups(2)
@@ -129,6 +131,7 @@ async def serve(
         0,
         send_queue_bytes=send_queue_bytes,
         stall_timeout=stall_timeout,
+        log=log,
     ) as transport:
         driver = Driver(coordinator, transport, clock, log=KeyValueLog(min_level="error"))
 
@@ -461,6 +464,81 @@ def test_a_flood_of_small_frames_never_queues_more_events_than_the_backlog_cap()
     assert max(backlogs) <= MAX_EVENT_BACKLOG + 1
 
 
+def test_small_frames_are_still_read_many_at_a_time() -> None:
+    # The first bound on the backlog cut every read below 64 KiB to 13 bytes per free event
+    # slot, even with an empty backlog: small frames took many reads where one did.
+    frames = 3000
+    reads: list[int] = []
+
+    class CountingGroups(ConnectionGroups):
+        def receive(
+            self, conn: ConnId, data: bytes | bytearray | memoryview, now: float
+        ) -> list[WireCommand]:
+            reads.append(len(data))
+            return super().receive(conn, data, now)
+
+    class Counter(Stand_in):
+        def __init__(self) -> None:
+            super().__init__()
+            self.beats = 0
+
+        def handle(self, event: Event, now: float) -> list[Action]:
+            if isinstance(event, MessageReceived) and isinstance(event.message, Heartbeat):
+                self.beats += 1
+                if self.beats == frames:
+                    return [Exit(0, "all in")]
+            return super().handle(event, now)
+
+    def learner(address: tuple[str, int]) -> None:
+        group = LearnerGroup(address, SPEC, learner_id=0, generation=1, num_streams=0)
+        group.connect()
+        try:
+            time.sleep(0.2)  # admitted by now
+            blob = b"".join(encode_bytes(Heartbeat(0, step)) for step in range(1, frames + 1))
+            group.sockets[0].sendall(blob)  # 75,000 bytes, under 1,024 events a read
+            time.sleep(1.0)
+        finally:
+            group.close()
+
+    exit_action, _ = run_and_return(serve(Counter(), learner, groups=CountingGroups(2)))
+    assert exit_action == Exit(0, "all in")
+    # A 13-bytes-a-slot cut would read at most 13,312 bytes at a time.
+    assert max(reads) > 20_000, reads[:20]
+
+
+def test_every_closed_socket_of_a_group_is_logged_with_its_learner() -> None:
+    # Lines anyone can cause are one per period; a group's sockets are not anyone's. Their
+    # close used to look unknown (the group table had forgotten them) and was throttled away.
+    lines: list[tuple[str, dict[str, object]]] = []
+
+    def log(level: str, text: str, fields: Mapping[str, object]) -> None:
+        lines.append((text, dict(fields)))
+
+    class TwoLeave(Stand_in):
+        def handle(self, event: Event, now: float) -> list[Action]:
+            out = super().handle(event, now)
+            closed = [e for e in self.events if isinstance(e, GroupClosed)]
+            return [Exit(0, "both gone")] if len(closed) == 2 else out
+
+    def learners(address: tuple[str, int]) -> None:
+        groups = [LearnerGroup(address, SPEC, learner_id=i, generation=1, num_streams=1)
+                  for i in (0, 1)]  # fmt: skip
+        for group in groups:
+            group.connect()
+        time.sleep(0.5)
+        for group in groups:
+            group.close()
+
+    exit_action, _ = run_and_return(
+        serve(TwoLeave(), learners, groups=ConnectionGroups(2, log=log), log=log)
+    )
+    assert exit_action == Exit(0, "both gone")
+    closed = [f for text, f in lines if text == "connection closed"]
+    assert sorted((f["learner_id"], f["socket"]) for f in closed) == [
+        (0, "data stream 0"), (0, "stream 0"), (1, "data stream 0"), (1, "stream 0")
+    ]  # fmt: skip
+
+
 def test_exit_flushes_queued_frames_before_closing() -> None:
     def learner(address: tuple[str, int]) -> list[object]:
         group = LearnerGroup(address, SPEC, learner_id=0, generation=1, num_streams=2)
@@ -523,7 +601,9 @@ def test_a_peer_that_leaves_while_its_socket_is_held_back_is_noticed_at_once() -
     # attach deadline all the same.
     def leaving_peer(address: tuple[str, int]) -> float:
         with socket.create_connection(address, timeout=10) as sock:
-            sock.sendall(encode_bytes(DataHello(0, 99, 0)) + bytes((1 << 20) + (64 << 10)))
+            # A little more than it may hold: enough to be held back, little enough for the
+            # rest to fit the receive window (a FIN queued behind a full window never leaves).
+            sock.sendall(encode_bytes(DataHello(0, 99, 0)) + bytes((1 << 20) + 1024))
             time.sleep(0.3)  # held back by now
         return time.monotonic()
 

@@ -209,6 +209,11 @@ class FrameDecoder:
             or bool(self._stash)
         )
 
+    @property
+    def has_output(self) -> bool:
+        """:meth:`next_frame` would give something now: a frame, the EOF, or the failure."""
+        return bool(self._ready) or self._eof or self._error is not None
+
     def set_limits(self, limits: Limits) -> None:
         """Install the session limits; bytes held back since the first frame are decoded now."""
         self._limits = limits

@@ -38,7 +38,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from yeto_proto import (
     CLOSED,
@@ -168,6 +168,9 @@ class Hangup:
 
     conn: ConnId
     error: ErrorMessage | None = None
+    #: What named the socket while it was known (its group, for a member): once the command
+    #: is out, :meth:`ConnectionGroups.socket_fields` knows it no more.
+    fields: Mapping[str, object] = field(default_factory=dict, compare=False)
 
 
 WireCommand = Transmit | Hangup
@@ -255,6 +258,7 @@ class ConnectionGroups:
         attach_timeout: float = ATTACH_TIMEOUT_S,
         max_unsettled: int = MAX_UNSETTLED_SOCKETS,
         max_unsettled_bytes: int = MAX_UNSETTLED_BYTES,
+        max_backlog: int | None = None,
         log: LogFn | None = None,
     ) -> None:
         self.num_learners = num_learners
@@ -263,6 +267,9 @@ class ConnectionGroups:
         self.attach_timeout = attach_timeout
         self.max_unsettled = max_unsettled
         self.max_unsettled_bytes = max_unsettled_bytes
+        #: Events waiting for the driver at most: frames past it wait, decoded, in their
+        #: socket until :meth:`drain` (None: no bound, for callers that take every event).
+        self.max_backlog = max_backlog
         self._log = log if log is not None else _no_log
         #: Lines about sockets without a group (anyone can cause them) are written at most
         #: once per period; ``_now`` is the latest time a caller passed in.
@@ -552,9 +559,9 @@ class ConnectionGroups:
 
     def _log_unsettled(self, level: str, text: str, fields: dict[str, object]) -> None:
         """Log a line about a socket without a group: one per period, counting the rest."""
-        held_back = self._throttle.due(text, self._now)
-        if held_back is not None:
-            self._log(level, text, {**fields, "held_back": held_back} if held_back else fields)
+        written = self._throttle.fields(text, self._now, fields)
+        if written is not None:
+            self._log(level, text, written)
 
     def _settle(self, sock: _Socket) -> None:
         """``sock`` leaves the unsettled sockets (joined a group, or closed)."""
@@ -566,9 +573,29 @@ class ConnectionGroups:
         wire, self._wire = self._wire, []
         return wire
 
+    def holds_frames(self, conn: ConnId) -> bool:
+        """``conn``'s decoder has frames (or its EOF, or its failure) not handed on yet."""
+        sock = self._sockets.get(conn)
+        return sock is not None and sock.decoder.has_output
+
+    def drain(self, conn: ConnId, now: float) -> list[WireCommand]:
+        """Hand on what ``conn``'s decoder holds, as far as the backlog bound allows."""
+        self._now = now
+        sock = self._sockets.get(conn)
+        if sock is not None:
+            self._drain(sock, now)
+        return self._take_wire()
+
+    def _room_for_events(self) -> bool:
+        return self.max_backlog is None or len(self.events) < self.max_backlog
+
     def _drain(self, sock: _Socket, now: float) -> None:
-        """Hand on every frame the socket's decoder has ready."""
-        while sock.conn in self._sockets:
+        """Hand on the frames the socket's decoder has ready, while the backlog has room.
+
+        The bound counts events, not bytes: a 4 MiB read of HEARTBEATs is 160,000 frames, and
+        queued all at once they held every other learner's events back for seconds.
+        """
+        while sock.conn in self._sockets and self._room_for_events():
             try:
                 item = sock.decoder.next_frame()
                 if isinstance(item, DecoderState):
@@ -702,8 +729,9 @@ class ConnectionGroups:
                 self._groups[sock.group], reason, errors={sock.conn: error} if error else {}
             )
         else:
+            fields = self.socket_fields(sock.conn)
             self._forget(sock.conn)
-            self._wire.append(Hangup(sock.conn, error))
+            self._wire.append(Hangup(sock.conn, error, fields))
 
     def _close_group(
         self, group: _Group, reason: str, *, errors: Mapping[ConnId, ErrorMessage | None]
@@ -711,8 +739,9 @@ class ConnectionGroups:
         del self._groups[group.key]
         group.reassembler.clear()
         for conn in group.members():
+            fields = self.socket_fields(conn)
             self._forget(conn)
-            self._wire.append(Hangup(conn, errors.get(conn)))
+            self._wire.append(Hangup(conn, errors.get(conn), fields))
         self.events.append(GroupClosed(group.key, reason))
 
     def _forget(self, conn: ConnId) -> None:

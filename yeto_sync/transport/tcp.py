@@ -21,8 +21,8 @@ Every wait is bounded:
   newer BCAST of a fragment replaces one not queued yet; the group's own task cuts messages into
   frames for per-socket send queues of at most ``send_queue_bytes`` and waits for room
   (backpressure) at most ``stall_timeout`` seconds, then drops that group;
-- readers stop reading (TCP pushes back on the peer) while ``MAX_EVENT_BACKLOG`` events wait
-  for the driver, and read no more bytes than could make the frames there is room for;
+- at most ``MAX_EVENT_BACKLOG`` events wait for the driver: frames past it wait, decoded, in
+  their socket, which reads nothing more (TCP pushes back on the peer) until they are handed on;
 - a closing socket sends its last frame (an ERROR, say), half-closes and lingers at most
   ``linger`` seconds for the peer's EOF, so the ERROR is read rather than lost to a reset;
 - :meth:`TcpTransport.shutdown` flushes queues, then cuts everything, within ``grace`` seconds
@@ -54,7 +54,6 @@ import anyio.abc
 import anyio.lowlevel
 
 from yeto_proto import AnyMessage, BcastFragment, ErrorMessage, Limits, encode
-from yeto_proto.constants import HEADER_SIZE
 from yeto_proto.frames import Buffers, OutgoingBuffers
 
 from ..events import ConnId, Event, GroupKey
@@ -206,6 +205,8 @@ class _Peer:
     held_back: anyio.Event | None = None
     #: The peer closed (or reset) the socket while it was held back.
     hung_up: bool = False
+    #: Log fields naming the socket (its group, for a member), kept from its hangup.
+    known_as: dict[str, object] = field(default_factory=dict)
 
 
 class _HangupWatch:
@@ -326,6 +327,8 @@ class TcpTransport:
         max_peers: int | None = None,
     ) -> None:
         self.groups = groups
+        if groups.max_backlog is None:  # readers wait for the driver: bound what it holds
+            groups.max_backlog = MAX_EVENT_BACKLOG
         self.clock = clock
         self._listener = listener
         host, port = listener.getsockname()[:2]
@@ -538,6 +541,7 @@ class TcpTransport:
             if peer is None:
                 continue
             if isinstance(command, Hangup):
+                peer.known_as = peer.known_as or dict(command.fields)
                 last = encode(command.error) if command.error is not None else None
                 peer.queue.close(last=last, discard=True)
                 if peer.held_back is not None:  # its reader drains until the peer's EOF
@@ -606,9 +610,9 @@ class TcpTransport:
 
     def _log_throttled(self, level: str, text: str, fields: dict[str, object]) -> None:
         """Log ``text`` at most once per period; the next line counts those held back."""
-        held = self._throttle.due(text, time.monotonic())
-        if held is not None:
-            self._log(level, text, {**fields, "held_back": held} if held else fields)
+        written = self._throttle.fields(text, time.monotonic(), fields)
+        if written is not None:
+            self._log(level, text, written)
 
     async def _serve_peer(self, peer: _Peer) -> None:
         try:
@@ -625,7 +629,8 @@ class TcpTransport:
             peer.sock.close()
             del self._peers[peer.conn]
             self._peer_left.set()
-            fields = {**self.groups.socket_fields(peer.conn), "peer": peer.address}
+            known = peer.known_as or self.groups.socket_fields(peer.conn)
+            fields = {**known, "peer": peer.address}
             self._apply(self.groups.lost(peer.conn, "socket closed"))
             if "learner_id" in fields:  # a group's socket: always worth its line
                 self._log("info", "connection closed", fields)
@@ -641,13 +646,15 @@ class TcpTransport:
         try:
             while True:
                 await self._room_for_events()
+                if self.groups.holds_frames(conn):
+                    # Frames of an earlier read wait for room in the backlog: hand them on
+                    # before reading more, so one flooding peer cannot hold the others back.
+                    self._apply(self.groups.drain(conn, self.clock.now()))
+                    if not self.groups.is_open(conn):
+                        return
+                    continue
                 # Large payloads are read straight into their frame's buffer (no copy).
                 into, direct = self.groups.next_read(conn, view)
-                if not direct:
-                    # Every frame is at least a header: so small a read cannot queue more events
-                    # than there is room for (one 4 MiB read of HEARTBEATs queued 160,000).
-                    room = MAX_EVENT_BACKLOG - self.groups.backlog
-                    into = into[: max(1, room) * HEADER_SIZE]
                 if not into:
                     # The socket holds all it may before its group is settled: read nothing
                     # (TCP pushes back on the peer) until admission or the attach deadline.
