@@ -343,6 +343,33 @@ def test_log_actions_reach_the_log(action: Log) -> None:
     run(scenario)
 
 
+def test_lines_any_peer_can_cause_are_written_once_per_period_and_kind() -> None:
+    def refused(code: str) -> Log:
+        return Log("warning", "HELLO refused", {"code": code}, throttled=True)
+
+    async def scenario() -> None:
+        stream, clock = io.StringIO(), FakeClock()
+        floods = [[refused("SESSION_DTYPE_MISMATCH")] * 50 + [refused("LEARNER_ID_OUT_OF_RANGE")]]
+        driver = Driver(
+            Scripted(*floods, [refused("SESSION_DTYPE_MISMATCH")]),
+            RecordingTransport(),
+            clock,
+            log=KeyValueLog(stream),
+        )
+        await driver.dispatch(TimerFired("flood"))
+        clock.set(60.0)  # a period later: the next line says how many were held back
+        await driver.dispatch(TimerFired("later"))
+        lines = stream.getvalue().splitlines()
+        assert [line.split("code=")[1].split()[0] for line in lines] == [
+            "SESSION_DTYPE_MISMATCH",  # the first of its kind
+            "LEARNER_ID_OUT_OF_RANGE",  # another reason is another kind
+            "SESSION_DTYPE_MISMATCH",
+        ]
+        assert "held_back=49" in lines[2]
+
+    run(scenario)
+
+
 class _ClosedPipe(io.StringIO):
     def write(self, text: str) -> int:
         raise BrokenPipeError(32, "Broken pipe")

@@ -52,6 +52,7 @@ from .events import (
 )
 from .merge import MergeError
 from .transport import Clock, EventSource, Transport
+from .transport.log_throttle import LogThrottle
 
 #: Seconds an ``Exit`` (or a signal) gives queued frames to reach still-connected learners.
 SHUTDOWN_GRACE_S = 5.0
@@ -198,6 +199,7 @@ class Driver:
         self.clock = clock
         self.outputs = outputs if outputs is not None else Outputs()
         self._log = log if log is not None else KeyValueLog()
+        self._throttle = LogThrottle()
         self.shutdown_grace = shutdown_grace
         self._timers: dict[str, float] = {}
         self._tape: TextIO | None = None
@@ -266,8 +268,15 @@ class Driver:
                 self._timers[key] = at
             case CancelTimer(key=key):
                 self._timers.pop(key, None)
-            case Log(level=level, text=text, fields=fields):
-                self._log(level, text, fields)
+            case Log(level=level, text=text, fields=fields, throttled=throttled):
+                # One line per kind and period; a refusal's code is part of its kind, so each
+                # different reason is still seen.
+                kind = f"{text} {fields.get('code', '')}"
+                written = (
+                    self._throttle.fields(kind, self.clock.now(), fields) if throttled else fields
+                )
+                if written is not None:
+                    self._log(level, text, written)
             case AppendTape(record=record):
                 await self._append_tape(record)
             case WriteCheckpoint(state=state, final=final, recovery=recovery):

@@ -144,6 +144,8 @@ class Log:
     level: str
     text: str
     fields: dict[str, Any] = field(default_factory=dict)
+    #: A line any peer can cause (a refused HELLO, say): written at most once per period.
+    throttled: bool = False
 
 
 @dataclass(frozen=True, slots=True)

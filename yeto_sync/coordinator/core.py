@@ -268,6 +268,8 @@ class Coordinator:
                     "warning",
                     "HELLO refused",
                     {"conn": conn, **_member_fields(key), **_why(refusal)},
+                    # Without a HELLO key anyone who reaches the port can cause this line.
+                    throttled=True,
                 )
             )
             return
@@ -323,6 +325,7 @@ class Coordinator:
                             **_member_fields(GroupKey(hello.learner_id, hello.generation)),
                             **_why(refusal),
                         },
+                        throttled=True,
                     )
                 )
                 return False

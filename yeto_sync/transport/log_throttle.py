@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 #: Seconds between two lines of one kind; the ones in between are counted, not written.
 LOG_PERIOD_S = 10.0
 
@@ -22,3 +24,13 @@ class LogThrottle:
             return None
         self._next_at[kind] = now + self.period
         return self._held.pop(kind, 0)
+
+    def fields(
+        self, kind: str, now: float, fields: Mapping[str, object]
+    ) -> dict[str, object] | None:
+        """The fields to write this line with (``held_back`` added when lines of its kind were
+        held back), or ``None`` to hold it back."""
+        held = self.due(kind, now)
+        if held is None:
+            return None
+        return {**fields, "held_back": held} if held else dict(fields)
