@@ -21,13 +21,14 @@ from test_learner_client import (
     HELLO,
     LIMITS,
     ScriptedConnection,
+    ScriptedGroup,
     ScriptedSyncer,
     next_item,
     start_client,
     tiny_model,
 )
 
-from yeto_learn import Learner, SyncerUnreachable
+from yeto_learn import FinishTimeout, Learner, SyncerUnreachable
 from yeto_learn.transport import (
     ClientConfig,
     ClientFailed,
@@ -39,8 +40,10 @@ from yeto_learn.transport import (
 )
 from yeto_learn.transport.client import MESSAGE_OVERHEAD_BYTES
 from yeto_proto import (
+    AnyMessage,
     BcastFragment,
     FinalAck,
+    Heartbeat,
     Limits,
     MergeMode,
     PullReq,
@@ -340,3 +343,56 @@ def test_close_lets_go_of_a_reader_held_by_a_full_inbox(
     finally:
         control.sock.close()
         sender.join(5)
+
+
+def test_a_frozen_learner_reports_on_the_group_it_learns_of_and_pushes_nothing_there(
+    syncer: ScriptedSyncer,
+) -> None:
+    """The group drops while the training thread is busy; the redialed group's replay and a
+    PULL wait unread. BUDGET_DONE used to go to the lost group, come back unsent only after the
+    PULL had been answered with a frozen PUSH, and then follow it on the new group (spec/
+    learner.md § 10: that group's pulls stay unanswered)."""
+    groups: dict[str, ScriptedGroup] = {}
+
+    def broadcast_all(group: ScriptedGroup, version: int) -> None:
+        for fragment, numel in enumerate(group.hello.layout.numels):
+            values = np.full(numel, version, "<f4")
+            group.control.send(BcastFragment(fragment, version, values.view(np.uint8).data))
+
+    def first_group() -> None:
+        groups["first"] = syncer.accept_group(0)
+        broadcast_all(groups["first"], 0)
+
+    opening = threading.Thread(target=first_group)
+    opening.start()
+    learner = Learner(tiny_model(), syncer=f"127.0.0.1:{syncer.port}", learner_id=1,
+                      num_learners=2, fragments=2, streams=0, connect_timeout=10,
+                      run_id="r", budget_steps=3)  # fmt: skip
+    try:
+        opening.join(10)
+        for _ in range(3):
+            learner.step(tokens=10)
+        groups["first"].close()
+        second = syncer.accept_group(0)
+        broadcast_all(second, 5)
+        second.control.send(PullReq(0, 6, 0))
+        time.sleep(0.5)  # all of it in the inbox before the training thread looks
+        # The network thread handles frames queued for a group a little later, as a busy
+        # one may: what comes back unsent then arrives after what is in the inbox now.
+        client = learner._client
+        assert client is not None
+        send = client.send
+
+        def late_send(epoch: int, message: AnyMessage) -> None:
+            threading.Timer(0.3, send, args=(epoch, message)).start()
+
+        client.send = late_send  # type: ignore[method-assign]
+        with pytest.raises(FinishTimeout):  # no final cut in this script
+            learner.finish(timeout=1.5)
+        frames = []
+        with contextlib.suppress(TimeoutError, EOFError, OSError):
+            while True:
+                frames.append(second.control.read(timeout=0.5))
+        assert [type(f).__name__ for f in frames if not isinstance(f, Heartbeat)] == ["BudgetDone"]
+    finally:
+        learner.close()

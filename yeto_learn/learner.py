@@ -330,6 +330,8 @@ class Learner:
         self.budget_reported = False
         #: The epoch of a BUDGET_DONE that came back unsent (no byte of it was written).
         self._unsent_budget_epoch: int | None = None
+        #: report_budget() was called: BUDGET_DONE goes out at the end of the next plan.
+        self._budget_due = False
 
         params = synced_parameters(model)
         pattern = _choice(FragmentPattern, fragment_pattern, "fragment_pattern")
@@ -460,19 +462,23 @@ class Learner:
                     f"the budget of {self.budget_steps} local steps is reached: call finish()"
                 )
             total = self._link.sum_tokens(_checked_tokens(tokens))
-            plan: Plan | None = None
-            error: BaseException | None = None
-            if self.is_leader:
-                try:
-                    session = self._leader_session()
-                    session.record_step(total)
-                    plan = self._plan(self._client_items(0.0))
-                except BaseException as exc:  # every rank must hear of it before anyone raises
-                    error = exc
-                    plan = Plan(PlanStatus.FAILED, error=_failure_text(exc))
-            self._run(plan, error)
+            self._turn(lambda session: session.record_step(total))
             self._local_step += 1
             self._tokens += total
+
+    def _turn(self, first: Callable[[LearnerSession], None] = lambda session: None) -> None:
+        """One turn on every rank, without waiting: rank 0 does ``first``, takes in what
+        arrived and plans; every rank applies the plan."""
+        plan: Plan | None = None
+        error: BaseException | None = None
+        if self.is_leader:
+            try:
+                first(self._leader_session())
+                plan = self._plan(self._client_items(0.0))
+            except BaseException as exc:  # every rank must hear of it before anyone raises
+                error = exc
+                plan = Plan(PlanStatus.FAILED, error=_failure_text(exc))
+        self._run(plan, error)
 
     def finish(self, timeout: float | None = None) -> None:
         """Wait for the final state, apply it, ACK it, and save the learner's artifact.
@@ -515,7 +521,8 @@ class Learner:
 
         Call only after optimizer and data work stopped. From now on broadcasts only move the
         anchors; pulls of the cutoff syncer are not answered; after the reconnect each pull is
-        answered with ``frozen − anchor`` and ``c_steps = local_step = budget``.
+        answered with ``frozen − anchor`` and ``c_steps = local_step = budget``. Under torchrun
+        it is collective, like ``step``.
         """
         with self._one_caller():
             self._usable()
@@ -524,9 +531,13 @@ class Learner:
                     f"BUDGET_DONE needs exactly {self.budget_steps} local steps, sent once "
                     f"(at {self._local_step}, {'already' if self.budget_reported else 'not'} sent)"
                 )
-            if self.is_leader:
-                self._send(self._leader_session().budget_done())
+            # Sent at the end of this turn's plan, once what arrived meanwhile says which group
+            # is current: queued on a group already lost (its loss still unread), it could
+            # come back only after a pull of the next group was answered with a frozen PUSH
+            # (spec/learner.md § 10: that group's pulls stay unanswered).
+            self._budget_due = self.is_leader
             self.budget_reported = True
+            self._turn()
 
     @contextlib.contextmanager
     def _one_caller(self) -> Iterator[None]:
@@ -697,6 +708,9 @@ class Learner:
         if self._unsent_budget_epoch is not None and self._unsent_budget_epoch < self._epoch:
             self._send(session.budget_done_resent())
             self._unsent_budget_epoch = None
+        if self._budget_due:
+            self._budget_due = False
+            self._send(session.budget_done())
         status = PlanStatus.FINAL_READY if self._final is not None else PlanStatus.RUNNING
         return Plan(status, applies)
 
