@@ -1062,6 +1062,7 @@ def test_no_push_after_the_final_cut_is_applied() -> None:
     assert t.sent == [FinalAck(FINAL_STEP)]
     t.receive(PullReq(0, 9, 1))  # the syncer ended every round before the cut
     assert t.answer() == []
+    assert t.session.pulls_awaiting_a_step() == []  # nor does it wait for a step
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)

@@ -111,3 +111,17 @@ def test_contract_changes_with_run_id_and_is_stable_otherwise() -> None:
     assert one != session_contract(layout, WireDtype.Q4, run_id="r2", experiment={"lr": 0.1})
     assert one != session_contract(layout, WireDtype.F32, run_id="r1", experiment={"lr": 0.1})
     assert len(one) == 32
+
+
+def test_the_strided_pattern_never_splits_a_layer_so_it_allows_fewer_fragments() -> None:
+    shapes = [
+        ("layers.0.w", (4, 4)),
+        ("layers.0.b", (4,)),
+        ("layers.0.g", (4,)),
+        ("layers.1.w", (4, 4)),
+    ]
+    assert most_fragments(shapes) == 4
+    assert most_fragments(shapes, pattern=FragmentPattern.STRIDED) == 2
+    assert len(build_layout(shapes, fragments=2, pattern=FragmentPattern.STRIDED).fragments) == 2
+    with pytest.raises(ValueError, match="at most 2 .*nor a layer"):
+        build_layout(shapes, fragments=3, pattern=FragmentPattern.STRIDED)  # built 2 silently

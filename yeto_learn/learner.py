@@ -91,6 +91,15 @@ from .transport import (
     parse_address,
 )
 
+_log = logging.getLogger("yeto_learn")
+
+#: Fragments when the caller names none (fewer when the model allows fewer).
+DEFAULT_FRAGMENTS = 8
+
+#: Steps between checks that the model still holds the tracked parameter objects (the check
+#: walks every module, about 1 ms for 300 modules); finish() always checks.
+_OWNERSHIP_CHECK_STEPS = 32
+
 RUN_ID_ENV = "YETO_RUN_ID"
 #: How long the waiting loops (start, finish) block on the inbox per turn.
 _POLL_S = 0.05
@@ -337,12 +346,15 @@ class Learner:
         pattern = _choice(FragmentPattern, fragment_pattern, "fragment_pattern")
         merge = _choice(MergeMode, matrix_merge, "matrix_merge")
         shapes = [(name, tuple(p.shape)) for name, p in params.items()]
+        # The session contract keeps naming what was asked for (8 by default): a run started
+        # before the default fitted the model must still resume (spec/checkpoint.md § 4).
+        requested = DEFAULT_FRAGMENTS if fragments is None else fragments
         if fragments is None:
-            fragments = min(DEFAULT_FRAGMENTS, most_fragments(shapes, merge))
+            fragments = min(DEFAULT_FRAGMENTS, most_fragments(shapes, merge, pattern))
         self.layout = build_layout(shapes, fragments=fragments, pattern=pattern, matrix_merge=merge)
         self._params = _FragmentParams(self.layout, params)
         identity = {
-            "fragments": fragments,
+            "fragments": requested,
             "fragment_pattern": pattern.value,
             "matrix_merge": MergeMode(merge).name.lower(),
             "merge_alpha": self.merge_alpha,
@@ -624,7 +636,7 @@ class Learner:
                         if finishing and self._final is not None:
                             plan.applies += self._final_applies(self._final)
                             plan.final_global_step = self._final.final_global_step
-                        if finishing:
+                        elif finishing and items:  # only news can starve a pull
                             self._warn_of_starved_pulls()
                 except BaseException as exc:
                     error = exc
@@ -818,16 +830,6 @@ class Learner:
             "layout": LAYOUT_FILE,
         }
         _write_text_atomically(self.out_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
-
-
-_log = logging.getLogger("yeto_learn")
-
-#: Fragments when the caller names none (fewer when the model has fewer tensors).
-DEFAULT_FRAGMENTS = 8
-
-#: Steps between checks that the model still holds the tracked parameter objects (the check
-#: walks every module, about 1 ms for 300 modules); finish() always checks.
-_OWNERSHIP_CHECK_STEPS = 32
 
 
 def _failure_text(exc: BaseException) -> str:

@@ -102,18 +102,28 @@ def _separates_matrices(tensors: Sequence[NamedShape], matrix_merge: MergeMode) 
     return MergeMode(matrix_merge) is not MergeMode.AVG and kinds == {True, False}
 
 
-def _most_fragments(tensors: Sequence[NamedShape], matrix_merge: MergeMode) -> int:
+def _most_fragments(
+    tensors: Sequence[NamedShape], matrix_merge: MergeMode, pattern: FragmentPattern
+) -> int:
+    def units(group: Iterable[NamedShape]) -> int:  # what packing never splits
+        if pattern is FragmentPattern.STRIDED:
+            return len({_layer_key(t.name) for t in group})
+        return len(list(group))
+
     if _separates_matrices(tensors, matrix_merge):
-        return sum(t.is_matrix for t in tensors) + 1
-    return len(tensors)
+        return units(t for t in tensors if t.is_matrix) + 1
+    return units(tensors)
 
 
 def most_fragments(
-    named_shapes: Iterable[tuple[str, Sequence[int]]], matrix_merge: MergeMode = MergeMode.AVG
+    named_shapes: Iterable[tuple[str, Sequence[int]]],
+    matrix_merge: MergeMode = MergeMode.AVG,
+    pattern: FragmentPattern = FragmentPattern.BALANCED,
 ) -> int:
-    """The most fragments :func:`build_layout` can make of these tensors (none is split)."""
-    tensors = [NamedShape(n, tuple(int(d) for d in s)) for n, s in named_shapes]
-    return _most_fragments(tensors, matrix_merge)
+    """The most fragments :func:`build_layout` can make of these tensors: a tensor is never
+    split, and the strided pattern never splits a layer."""
+    tensors = [NamedShape(normalize_name(n), tuple(int(d) for d in s)) for n, s in named_shapes]
+    return _most_fragments(tensors, matrix_merge, pattern)
 
 
 def build_layout(
@@ -145,11 +155,16 @@ def build_layout(
         )
     # A tensor is never split, so asking for more fragments than that would silently give
     # fewer (and a schedule planned for the requested F would be wrong).
-    most = _most_fragments(tensors, matrix_merge)
+    most = _most_fragments(tensors, matrix_merge, pattern)
     if fragments > most:
         raise ValueError(
             f"fragments={fragments}, but this model allows at most {most} (it has "
-            f"{len(tensors)} trainable tensors, and a tensor is never split)"
+            f"{len(tensors)} trainable tensors; a tensor is never split"
+            + (
+                ", nor a layer under the strided pattern)"
+                if pattern is FragmentPattern.STRIDED
+                else ")"
+            )
         )
     if not separate:
         mode = matrix_merge if not others else MergeMode.AVG

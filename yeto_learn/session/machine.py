@@ -215,8 +215,8 @@ class LearnerSession:
     def pulls_awaiting_a_step(self) -> list[int]:
         """Fragments whose pending PULL waits for nothing but a local step (none was taken
         since their last applied BCAST): a learner that stopped training never answers them."""
-        if self._budget_reported:
-            return []
+        if self._budget_reported or self.final_applied_step is not None:
+            return []  # frozen pulls need no step; after the cut no pull is answered at all
         return [
             p
             for p, state in enumerate(self._fragments)

@@ -59,9 +59,9 @@ from .group import RECV_BUFFER_SIZE, ConnectionGroup, Counters, open_socket
 
 #: HEARTBEAT interval (spec/learner.md §9: not part of the wire contract).
 HEARTBEAT_INTERVAL_S = 1.0
-#: Bound on one dial (TCP connects and queuing the hellos) before it counts as failed.
 _log = logging.getLogger("yeto_learn")
 
+#: Bound on one dial (TCP connects and queuing the hellos) before it counts as failed.
 DIAL_TIMEOUT_S = 10.0
 #: The least a dial gets once the connect or reconnect deadline has (nearly) passed.
 DIAL_FLOOR_S = 0.25
