@@ -48,6 +48,7 @@ from yeto_proto import (
     MergeMode,
     PullReq,
     PushFragment,
+    Shutdown,
     WireDtype,
     WireFragment,
     WireLayout,
@@ -396,3 +397,21 @@ def test_a_frozen_learner_reports_on_the_group_it_learns_of_and_pushes_nothing_t
         assert [type(f).__name__ for f in frames if not isinstance(f, Heartbeat)] == ["BudgetDone"]
     finally:
         learner.close()
+
+
+def test_nothing_after_shutdown_fails_the_client(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    client = start_client(make_client, syncer.port, num_streams=2, heartbeat_interval=60)
+    group = syncer.accept_group(2)
+    assert isinstance(next_item(client), GroupUp)
+    group.data[0].sock.sendall(encode_bytes(Shutdown()) + b"garbage-garbage-garbage")
+    items = []
+    deadline = time.monotonic() + 1.5
+    while (item := client.wait(max(deadline - time.monotonic(), 0))) is not None:
+        items.append(item)
+    # The run is complete at SHUTDOWN (spec/learner.md § 7 item 5): the bytes behind it used
+    # to fail the client with BAD_MAGIC.
+    assert [type(i).__name__ for i in items] == ["Received", "GroupLost"]
+    assert isinstance(items[0], Received) and items[0].message == Shutdown()
+    group.close()

@@ -158,6 +158,7 @@ class SyncerClient:
         self._epoch = 0
         self._group: ConnectionGroup | None = None
         self._terminal = False  # ERROR or SHUTDOWN seen: never redial
+        self._shut_down = False  # SHUTDOWN seen: the run is complete
         self._ever_served = False  # some group got a frame from the syncer
         self._stop: anyio.Event | None = None
         self._dial_scope: anyio.CancelScope | None = None
@@ -340,7 +341,8 @@ class SyncerClient:
             try:
                 reason = await self._serve(group)
             except ProtocolError as exc:
-                self._fail(SyncerProtocolViolation(cfg.address, exc))
+                if not self._shut_down:  # after SHUTDOWN anything arriving is ignored
+                    self._fail(SyncerProtocolViolation(cfg.address, exc))
                 return
             self.last_error = reason
             if self._terminal or self._stop.is_set():
@@ -398,7 +400,9 @@ class SyncerClient:
             raise
         finally:
             self._dial_scope = None
-        if self._stop.is_set():  # cancelled, or the close came as the last socket opened
+        # Cancelled, or close() came as the last socket opened (its wake-up may not have been
+        # handled yet in this loop turn, so ask the flag it sets first).
+        if self._stop.is_set() or self._close_requested:
             for sock in sockets:
                 sock.close()
             return None
@@ -468,6 +472,7 @@ class SyncerClient:
         if isinstance(message, ErrorMessage | Shutdown):
             # ERROR is fatal and SHUTDOWN completes the run: neither is followed by a redial.
             self._terminal = True
+            self._shut_down = self._shut_down or isinstance(message, Shutdown)
             if self._group is not None:
                 self._group.stop("the syncer ended the session", flush=True)
 
