@@ -415,3 +415,27 @@ def test_nothing_after_shutdown_fails_the_client(
     assert [type(i).__name__ for i in items] == ["Received", "GroupLost"]
     assert isinstance(items[0], Received) and items[0].message == Shutdown()
     group.close()
+
+
+def test_a_redialed_group_that_hears_nothing_is_given_up_at_the_reconnect_deadline(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    client = start_client(make_client, syncer.port, num_streams=0, reconnect_timeout=2)
+    first = syncer.accept_group(0)
+    assert isinstance(next_item(client), GroupUp)
+    first.control.send(PullReq(0, 1, 0))  # a working group: the reconnect deadline applies
+    assert isinstance(next_item(client), Received)
+    first.close()
+    silent = syncer.accept_group(0)  # accepts, then never says a thing (a hung syncer)
+    started = time.monotonic()
+    items = []
+    while not any(isinstance(i, ClientFailed) for i in items):
+        item = client.wait(max(started + 6 - time.monotonic(), 0))
+        assert item is not None, f"still no failure 6 s after the redial: {items}"
+        items.append(item)
+    # It used to stay up for good: training went on with no sync and no error.
+    assert time.monotonic() - started < 4
+    failure = items[-1]
+    assert isinstance(failure, ClientFailed)
+    assert "could not reconnect within 2 s" in str(failure.error)
+    silent.close()

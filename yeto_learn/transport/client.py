@@ -338,8 +338,11 @@ class SyncerClient:
                 continue
             if group is None:  # closed while dialing
                 return
+            # A redial must hear from the syncer by the reconnect deadline: a syncer that
+            # accepts and then says nothing (hung, or only its kernel accepting) is lost too.
+            silence_limit = give_up_at if self._ever_served else None
             try:
-                reason = await self._serve(group)
+                reason = await self._serve(group, silence_limit)
             except ProtocolError as exc:
                 if not self._shut_down:  # after SHUTDOWN anything arriving is ignored
                     self._fail(SyncerProtocolViolation(cfg.address, exc))
@@ -423,8 +426,11 @@ class SyncerClient:
         group.send_first(frames)
         return group
 
-    async def _serve(self, group: ConnectionGroup) -> str:
-        """Make ``group`` current until it ends; return why (raises the syncer's violation)."""
+    async def _serve(self, group: ConnectionGroup, silence_limit: float | None = None) -> str:
+        """Make ``group`` current until it ends; return why (raises the syncer's violation).
+
+        ``silence_limit``: the monotonic time by which the syncer must have sent something.
+        """
         self._epoch += 1
         epoch = self._epoch
         self._group = group
@@ -435,6 +441,8 @@ class SyncerClient:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(self._heartbeats, group)
                 tasks.start_soon(self._cut_close_flush, group)
+                if silence_limit is not None:
+                    tasks.start_soon(self._end_if_silent, group, silence_limit)
                 try:
                     await group.run()
                 except ProtocolError as exc:
@@ -449,6 +457,11 @@ class SyncerClient:
         if violation is not None:
             raise violation
         return group.reason
+
+    async def _end_if_silent(self, group: ConnectionGroup, limit: float) -> None:
+        await anyio.sleep(max(limit - time.monotonic(), 0.0))
+        if not group.received_any:
+            group.stop("the syncer sent nothing on the redialed group", flush=False)
 
     async def _heartbeats(self, group: ConnectionGroup) -> None:
         assert self._stop is not None
