@@ -217,25 +217,29 @@ class _HangupWatch:
     """
 
     def __init__(self) -> None:
-        self._epoll = select.epoll()
+        #: Open while :meth:`run` runs (so a transport never served leaks no descriptor).
+        self._epoll: select.epoll | None = None
         self._watched: dict[int, _Peer] = {}
 
     def add(self, peer: _Peer) -> None:
+        if self._epoll is None:  # not running: the held-back reader's recheck still applies
+            return
         fd = peer.sock.fileno()
         self._epoll.register(fd, select.EPOLLRDHUP)  # HUP and ERR are always reported
         self._watched[fd] = peer
 
     def discard(self, peer: _Peer) -> None:
         fd = peer.sock.fileno()
-        if self._watched.pop(fd, None) is not None:
+        if self._watched.pop(fd, None) is not None and self._epoll is not None:
             with contextlib.suppress(OSError):
                 self._epoll.unregister(fd)
 
     async def run(self) -> None:
+        self._epoll = epoll = select.epoll()
         try:
             while True:
-                await anyio.wait_readable(self._epoll.fileno())
-                for fd, _ in self._epoll.poll(0):
+                await anyio.wait_readable(epoll.fileno())
+                for fd, _ in epoll.poll(0):
                     peer = self._watched.get(fd)
                     if peer is None:
                         continue
@@ -244,7 +248,9 @@ class _HangupWatch:
                     if peer.held_back is not None:
                         peer.held_back.set()
         finally:
-            self._epoll.close()
+            self._epoll = None
+            self._watched.clear()
+            epoll.close()
 
 
 @dataclass(eq=False)
@@ -505,6 +511,8 @@ class TcpTransport:
     async def shutdown(self, grace: float) -> None:
         """Stop accepting, let queued frames drain, then cut the rest: in ``grace`` seconds
         at most (at least :data:`HARD_STOP_S`), the last :data:`HARD_STOP_S` for the cut."""
+        if self._hard_stop:  # stopped already (serve() stops once more on its way out)
+            return
         flush_until = anyio.current_time() + max(0.0, grace - HARD_STOP_S)
         if not self._shutting_down:
             self._shutting_down = True
