@@ -5478,6 +5478,143 @@ def learner_misc_tests() -> list[Json]:
             "CheckOrder",
         )
     )
+    tests += learner_gap_tests()  # appended, likewise
+    return tests
+
+
+def learner_gap_tests() -> list[Json]:
+    """Rules an independent learner written from the spec could break without any earlier
+    vector noticing."""
+    tests = []
+
+    s = started(S_F32, "pull then cut")
+    s.train(7)
+    s.pull(0, 9)  # answerable now, but not answered before the cut arrives
+    cut = [s.fragment_values(0), s.fragment_values(1)]
+    s.receive(s.final(0, 7, cut[0]))
+    s.receive(s.final(1, 8, cut[1]))
+    s.receive(final_manifest(8, [7, 8])[0], s.apply_final(8, cut))
+    s.final_applied(8)
+    s.pull(1, 10)  # after the cut, with steps in fragment 1's window
+    s.answer()
+    tests.append(
+        s.completed(
+            "§ 7 item 4: once the final cut is applied the learner answers no PULL: neither one "
+            "answerable before the cut nor one arriving after it (every round ended before "
+            "the cut)",
+            "Normal",
+        )
+    )
+
+    s = started(S_F32, "older generation")
+    s.connection_lost()
+    s.connect(2)
+    s.connection_lost()
+    tests.append(
+        s.fails(
+            "§ 1 item 2: a generation is never reused, not only the one just before",
+            {"event": "connect", "generation": 1, "num_streams": 0},
+            "DUPLICATE_GENERATION",
+            "Reconnect",
+        )
+    )
+
+    s, _ = finalized("lower manifest")
+    s.receive(final_manifest(6, [5, 6])[0])
+    s.receive(shutdown()[0], SHUTDOWN_RECEIVED)
+    tests.append(
+        s.completed(
+            "§ 7 item 2: after the ACK a lower manifest is dropped (it does not replace the "
+            "held one), so SHUTDOWN still completes the run",
+            "Replay",
+        )
+    )
+
+    s, _ = finalized("manifest replay")
+    s.receive(final_manifest(8, [7, 8])[0])
+    tests.append(
+        s.completed(
+            "§ 7 item 2: the held manifest again on the connection that ACKed it: a replay, no "
+            "second FINAL_ACK",
+            "Replay",
+        )
+    )
+
+    s, _ = finalized("bad lower manifest")
+    tests.append(
+        s.fails_on(
+            "§ 7 item 2: a manifest is checked before the monotonic rule: a lower one listing a "
+            "version above its own step is BAD_MANIFEST, not dropped",
+            final_manifest(6, [7, 6])[0],
+            "BAD_MANIFEST",
+            "CheckOrder",
+        )
+    )
+
+    s = started(S_F32, "cut handed out")
+    s.train(7)
+    cut = [s.fragment_values(0), s.fragment_values(1)]
+    s.receive(s.final(0, 7, cut[0]))
+    s.receive(s.final(1, 8, cut[1]))
+    s.receive(final_manifest(8, [7, 8])[0], s.apply_final(8, cut))
+    s.broadcast(0, 9, blend=False)  # recorded as the anchor, never handed out for blending
+    s.pull(1, 10)
+    s.answer()
+    s.final_applied(8)
+    tests.append(
+        s.completed(
+            "§ 3, § 7 items 3-4: from the moment the cut is handed to the parameters (before "
+            "its apply is confirmed) a BCAST is not blended and a PULL is not answered",
+            "Normal",
+        )
+    )
+
+    s, _ = finalized("final after redial")
+    s.connection_lost()
+    s.connect(2)
+    tests.append(
+        s.fails_on(
+            "§ 3, § 7 item 1: the first-BCAST-per-connection exception is for BCAST only: a "
+            "FINAL_FRAGMENT at a held version with other bytes is FINAL_CONFLICT on a new "
+            "connection too (a syncer never changes a cut it sent)",
+            s.final(0, 7, s.fragment_values(0)),
+            "FINAL_CONFLICT",
+            "Reconnect",
+        )
+    )
+
+    s = started(S_F32, "two blends")
+    older, newer = s.fragment_values(0), s.fragment_values(0)
+    s.receive(s.bcast(0, 1, older), apply_broadcast(0, 1, S_F32.bulk_decoded(older)))
+    s.anchors[0] = (2, S_F32.bulk_decoded(newer))
+    s.receive(s.bcast(0, 2, newer), apply_broadcast(0, 2, S_F32.bulk_decoded(newer)))
+    s.applied(0, 1)
+    s.train(5)
+    s.pull(0, 3)
+    s.answer()
+    s.applied(0, 2)
+    s.train(6)
+    s.answer(s.push(0, 3, base=2, local_step=2, c_steps=1, c_tokens=6))
+    tests.append(
+        s.completed(
+            "§ 5: with two BCASTs of a fragment handed out, confirming the older one restarts "
+            "the window, but a pull waits until the newer one (the anchor) is blended in",
+            "Deferred",
+        )
+    )
+
+    s, _ = finalized("after shutdown")
+    s.receive(shutdown()[0], SHUTDOWN_RECEIVED)
+    s.receive(s.bcast(0, 9, with_value(s.fragment_values(0), 0, math.nan)))
+    s.receive(final_manifest(8, [8, 8])[0])
+    s.receive(error_frame("late")[0])
+    tests.append(
+        s.completed(
+            "§ 7 item 5, § 9: whatever arrives after SHUTDOWN is ignored, violations (a NaN BCAST, "
+            "a conflicting manifest) and ERROR included",
+            "NonFinite",
+        )
+    )
     return tests
 
 
@@ -5662,8 +5799,21 @@ def learner_session_file() -> Json:
                 ),
                 learner_budget_tests(),
             ),
+            learner_group(S_Q4.context("learner", learner_id=0), learner_q4_init_tests()),
         ],
     )
+
+
+def learner_q4_init_tests() -> list[Json]:
+    """Learner 0 of the q4 session: INIT_PARAMS is in the bulk dtype (bf16), never q4."""
+    s = started(S_Q4, "q4 init", learner_id=0)
+    return [
+        s.completed(
+            "§ 2, § 6: learner 0's INIT_PARAMS of a q4 session carry bf16 values (the BCAST "
+            "dtype); only PUSH is q4",
+            "Normal",
+        )
+    ]
 
 
 def learner_group(context: Json, tests: list[Json]) -> Json:

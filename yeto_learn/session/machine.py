@@ -215,7 +215,7 @@ class LearnerSession:
     def pulls_awaiting_a_step(self) -> list[int]:
         """Fragments whose pending PULL waits for nothing but a local step (none was taken
         since their last applied BCAST): a learner that stopped training never answers them."""
-        if self._budget_reported or self.final_applied_step is not None:
+        if self._budget_reported or self._final.started:
             return []  # frozen pulls need no step; after the cut no pull is answered at all
         return [
             p
@@ -439,7 +439,7 @@ class LearnerSession:
         state = self._fragments[p]
         if state.pull is None or self._anchors[p] is None or p in self._awaiting_first:
             return False
-        if self.final_applied_step is not None:
+        if self._final.started:
             return False  # every round ended before the cut: a later PUSH has no round
         if self._budget_reported:
             # Frozen: the window is the whole budget; but the cutoff cancels every round of
