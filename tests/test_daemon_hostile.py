@@ -172,6 +172,44 @@ def attack(address: tuple[str, int], data: bytes, half_close: bool) -> str:
         return read_error(sock)
 
 
+class PausedLearner:
+    """A valid learner (learner 0, S = 2) played in a thread; it stops before its PUSH for
+    ``pause_at`` until :meth:`finish`, so the daemon is mid-run while a test does its worst."""
+
+    def __init__(self, address: tuple[str, int], *, pause_at: int, timeout: float) -> None:
+        self.paused, self.resume = threading.Event(), threading.Event()
+        self.failures: list[BaseException] = []
+        self.learner = ScriptedLearner(
+            LearnerGroup(address, SPEC, learner_id=0, generation=1, num_streams=2),
+            initial=[np.ones(n, np.float32) for n in LAYOUT.numels],
+            before_push=lambda pull: self._before_push(pull, pause_at),
+        )
+        self.thread = threading.Thread(target=self._play, args=(timeout,))
+        self.thread.start()
+        wait_until(self.paused.is_set, 30, "the good learner to reach its pause")
+
+    def _before_push(self, pull: object, pause_at: int) -> None:
+        if getattr(pull, "global_step", 0) == pause_at and not self.resume.is_set():
+            self.paused.set()
+            assert self.resume.wait(60), "never resumed"
+
+    def _play(self, timeout: float) -> None:
+        try:
+            self.learner.start()
+            self.learner.run(timeout=timeout)
+        except BaseException as exc:
+            self.failures.append(exc)
+        finally:
+            self.learner.group.close()
+
+    def finish(self, daemon: Daemon) -> None:
+        """Let it go on; the run must end cleanly, with SHUTDOWN and exit 0."""
+        self.resume.set()
+        self.thread.join(60)
+        assert not self.failures, f"{self.failures!r}\n{daemon.stderr}"
+        assert self.learner.shut_down and daemon.wait(30) == 0, daemon.stderr
+
+
 def test_hostile_peers_get_their_errors_while_a_good_learner_is_served() -> None:
     flags = [
         "--learners=1",
@@ -184,32 +222,7 @@ def test_hostile_peers_get_their_errors_while_a_good_learner_is_served() -> None
         slow_started = time.monotonic()
         slow.sendall(header(FrameType.HELLO, 500) + b"\x04\x00")
 
-        paused, resume = threading.Event(), threading.Event()
-
-        def before_push(pull: object) -> None:
-            if getattr(pull, "global_step", 0) == PAUSE_AT_STEP and not resume.is_set():
-                paused.set()
-                assert resume.wait(60), "never resumed"
-
-        good = ScriptedLearner(
-            LearnerGroup(daemon.address, SPEC, learner_id=0, generation=1, num_streams=2),
-            initial=[np.ones(n, np.float32) for n in LAYOUT.numels],
-            before_push=before_push,
-        )
-        failures: list[BaseException] = []
-
-        def play() -> None:
-            try:
-                good.start()
-                good.run(timeout=90)
-            except BaseException as exc:
-                failures.append(exc)
-            finally:
-                good.group.close()
-
-        player = threading.Thread(target=play)
-        player.start()
-        wait_until(paused.is_set, 30, "the good learner to reach its pause")
+        good = PausedLearner(daemon.address, pause_at=PAUSE_AT_STEP, timeout=90)
 
         codes: dict[str, str] = {}
         rss = []
@@ -228,11 +241,8 @@ def test_hostile_peers_get_their_errors_while_a_good_learner_is_served() -> None
         slow.close()
         assert error_code(text) == "HANDSHAKE_TIMEOUT" and 9.0 <= waited < 20.0
 
-        assert player.is_alive() and not failures  # still in session, paused at its PULL
-        resume.set()
-        player.join(60)
-        assert not failures, f"{failures!r}\n{daemon.stderr}"
-        assert good.shut_down and daemon.wait(30) == 0, daemon.stderr
+        assert good.thread.is_alive() and not good.failures  # in session, paused at its PULL
+        good.finish(daemon)
 
     grown_kib = rss[1] - rss[0]
     attacks = (ROUNDS_OF_HOSTILES - 1) * len(CASES)
@@ -252,43 +262,16 @@ def test_idle_peers_never_take_the_descriptors_the_daemons_files_need(tmp_path: 
         f"--event-tape={tmp_path / 'events.jsonl'}",
     ]
     with Daemon(*flags, nofile=64) as daemon:
-        paused, resume = threading.Event(), threading.Event()
-
-        def before_push(pull: object) -> None:
-            if getattr(pull, "global_step", 0) == 1 and not resume.is_set():
-                paused.set()  # before the first merge: nothing taped or checkpointed yet
-                assert resume.wait(60), "never resumed"
-
-        good = ScriptedLearner(
-            LearnerGroup(daemon.address, SPEC, learner_id=0, generation=1, num_streams=2),
-            initial=[np.ones(n, np.float32) for n in LAYOUT.numels],
-            before_push=before_push,
-        )
-        failures: list[BaseException] = []
-
-        def play() -> None:
-            try:
-                good.start()
-                good.run(timeout=60)
-            except BaseException as exc:
-                failures.append(exc)
-            finally:
-                good.group.close()
-
-        player = threading.Thread(target=play)
-        player.start()
         idle: list[socket.socket] = []
+        # Paused before the first merge: nothing taped or checkpointed yet.
+        good = PausedLearner(daemon.address, pause_at=1, timeout=60)
         try:
-            wait_until(paused.is_set, 30, "the good learner to reach its pause")
             for _ in range(100):  # the kernel's listen queue takes what the daemon does not
                 idle.append(socket.create_connection(daemon.address, timeout=10))
             time.sleep(1.5)
-            resume.set()
-            player.join(60)
-            assert not failures, f"{failures!r}\n{daemon.stderr}"
-            assert good.shut_down and daemon.wait(30) == 0, daemon.stderr
+            good.finish(daemon)
         finally:
-            resume.set()
+            good.resume.set()
             for sock in idle:
                 sock.close()
     taped = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
