@@ -34,6 +34,7 @@ from yeto_learn.transport import (
     ClientFailed,
     GroupLost,
     GroupUp,
+    InboxItem,
     Received,
     SyncerClient,
     Undelivered,
@@ -399,6 +400,19 @@ def test_a_frozen_learner_reports_on_the_group_it_learns_of_and_pushes_nothing_t
         learner.close()
 
 
+def items_within(
+    client: SyncerClient, seconds: float, until: Callable[[InboxItem], bool] = lambda item: False
+) -> list[InboxItem]:
+    """What the client delivers within ``seconds``, or up to the first item ``until`` holds."""
+    items: list[InboxItem] = []
+    deadline = time.monotonic() + seconds
+    while (item := client.wait(max(deadline - time.monotonic(), 0))) is not None:
+        items.append(item)
+        if until(item):
+            break
+    return items
+
+
 def test_nothing_after_shutdown_fails_the_client(
     syncer: ScriptedSyncer, make_client: list[SyncerClient]
 ) -> None:
@@ -406,10 +420,7 @@ def test_nothing_after_shutdown_fails_the_client(
     group = syncer.accept_group(2)
     assert isinstance(next_item(client), GroupUp)
     group.data[0].sock.sendall(encode_bytes(Shutdown()) + b"garbage-garbage-garbage")
-    items = []
-    deadline = time.monotonic() + 1.5
-    while (item := client.wait(max(deadline - time.monotonic(), 0))) is not None:
-        items.append(item)
+    items = items_within(client, 1.5)
     # The run is complete at SHUTDOWN (spec/learner.md § 7 item 5): the bytes behind it used
     # to fail the client with BAD_MAGIC.
     assert [type(i).__name__ for i in items] == ["Received", "GroupLost"]
@@ -428,11 +439,8 @@ def test_a_redialed_group_that_hears_nothing_is_given_up_at_the_reconnect_deadli
     first.close()
     silent = syncer.accept_group(0)  # accepts, then never says a thing (a hung syncer)
     started = time.monotonic()
-    items = []
-    while not any(isinstance(i, ClientFailed) for i in items):
-        item = client.wait(max(started + 6 - time.monotonic(), 0))
-        assert item is not None, f"still no failure 6 s after the redial: {items}"
-        items.append(item)
+    items = items_within(client, 6, until=lambda item: isinstance(item, ClientFailed))
+    assert isinstance(items[-1], ClientFailed), f"still no failure 6 s after the redial: {items}"
     # It used to stay up for good: training went on with no sync and no error.
     assert time.monotonic() - started < 4
     failure = items[-1]
