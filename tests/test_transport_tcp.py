@@ -25,6 +25,7 @@ from yeto_proto import (
     FrameDecoder,
     FrameType,
     Heartbeat,
+    Hello,
     Limits,
     MergeMode,
     PullReq,
@@ -537,6 +538,83 @@ def test_every_closed_socket_of_a_group_is_logged_with_its_learner() -> None:
     assert sorted((f["learner_id"], f["socket"]) for f in closed) == [
         (0, "data stream 0"), (0, "stream 0"), (1, "data stream 0"), (1, "stream 0")
     ]  # fmt: skip
+
+
+def hello_bytes(learner_id: int) -> bytes:
+    return encode_bytes(
+        Hello(learner_id, 1, SPEC.dtype, SPEC.layout, SPEC.fingerprint, SPEC.contract, 0)
+    )
+
+
+async def admit_all(transport: TcpTransport, count: int) -> None:
+    """Admit HELLOs until ``count`` groups are ready (the driver's part, by hand)."""
+    ready = 0
+    while ready < count:
+        event = await transport.next_event(transport.clock.now() + 5)
+        if isinstance(event, HelloReceived):
+            hello = event.hello
+            key = GroupKey(hello.learner_id, hello.generation)
+            transport.admit(event.conn, key, 0, Limits.of(hello.dtype, hello.layout))
+        elif isinstance(event, GroupReady):
+            ready += 1
+
+
+async def events_until_quiet(transport: TcpTransport, quiet: float = 1.5) -> list[Event]:
+    events = []
+    while (event := await transport.next_event(transport.clock.now() + quiet)) is not None:
+        events.append(event)
+    return events
+
+
+FLOOD = b"".join(encode_bytes(Heartbeat(0, step)) for step in range(1, 3001))
+
+
+def test_frames_behind_a_hello_are_handed_on_when_the_backlog_frees_up() -> None:
+    # A full backlog at admission left them in the decoder, and only new bytes from the peer
+    # woke its reader: a learner's first INIT could wait for good.
+    async def scenario() -> list[Event]:
+        clock = MonotonicClock()
+        async with TcpTransport.serve(ConnectionGroups(2), clock, "127.0.0.1", 0) as transport:
+            flooder = socket.create_connection(transport.address)
+            flooder.sendall(hello_bytes(0))
+            await admit_all(transport, 1)
+            late = socket.create_connection(transport.address)
+            late.sendall(hello_bytes(1) + encode_bytes(Heartbeat(1, 7)))  # right behind it
+            await anyio.sleep(0.3)
+            flooder.sendall(FLOOD)
+            await anyio.sleep(0.5)
+            assert transport.groups.backlog == MAX_EVENT_BACKLOG
+            await admit_all(transport, 1)
+            events = await events_until_quiet(transport)
+            flooder.close()
+            late.close()
+            return events
+
+    beats = [e.message for e in run_and_return(scenario()) if isinstance(e, MessageReceived)]
+    assert Heartbeat(1, 7) in beats
+
+
+def test_an_eof_behind_a_full_backlog_still_closes_the_group() -> None:
+    # The reader returned at EOF while the backlog was full: the close was never handed on, and
+    # the group stayed open (its socket too) with nobody looking.
+    async def scenario() -> list[Event]:
+        clock = MonotonicClock()
+        async with TcpTransport.serve(ConnectionGroups(2), clock, "127.0.0.1", 0) as transport:
+            flooder = socket.create_connection(transport.address)
+            leaver = socket.create_connection(transport.address)
+            flooder.sendall(hello_bytes(0))
+            leaver.sendall(hello_bytes(1))
+            await admit_all(transport, 2)
+            await anyio.sleep(0.2)
+            flooder.sendall(FLOOD)  # both readers wake in one turn of the loop
+            leaver.close()
+            time.sleep(0.3)
+            events = await events_until_quiet(transport)
+            flooder.close()
+            return events
+
+    closed = [e.group for e in run_and_return(scenario()) if isinstance(e, GroupClosed)]
+    assert GroupKey(1, 1) in closed
 
 
 def test_exit_flushes_queued_frames_before_closing() -> None:

@@ -276,6 +276,9 @@ class ConnectionGroups:
         self._throttle = LogThrottle()
         self._now = 0.0
         self.events: deque[Event] = deque()
+        #: Sockets whose decoder holds frames (or its EOF) that the bounded backlog left there,
+        #: in the order they were held back: :meth:`drain_held` hands them on as room appears.
+        self._held: dict[ConnId, None] = {}
         self._sockets: dict[ConnId, _Socket] = {}
         #: Every socket not yet a member, oldest first.
         self._unsettled: dict[ConnId, _Socket] = {}
@@ -586,6 +589,21 @@ class ConnectionGroups:
             self._drain(sock, now)
         return self._take_wire()
 
+    def drain_held(self, now: float) -> list[WireCommand]:
+        """Hand on what the bounded backlog left in any socket, oldest first, while there is
+        room: their readers may be waiting for bytes that never come (frames behind a HELLO,
+        held until admission; an EOF after the last read)."""
+        self._now = now
+        for conn in list(self._held):
+            if not self._room_for_events():
+                break
+            sock = self._sockets.get(conn)
+            if sock is None:
+                self._held.pop(conn, None)
+            else:
+                self._drain(sock, now)
+        return self._take_wire()
+
     def _room_for_events(self) -> bool:
         return self.max_backlog is None or len(self.events) < self.max_backlog
 
@@ -595,15 +613,21 @@ class ConnectionGroups:
         The bound counts events, not bytes: a 4 MiB read of HEARTBEATs is 160,000 frames, and
         queued all at once they held every other learner's events back for seconds.
         """
-        while sock.conn in self._sockets and self._room_for_events():
+        while sock.conn in self._sockets:
+            if not self._room_for_events():
+                if sock.decoder.has_output:
+                    self._held.setdefault(sock.conn)  # keeps its place if held already
+                return
             try:
                 item = sock.decoder.next_frame()
                 if isinstance(item, DecoderState):
+                    self._held.pop(sock.conn, None)
                     if item is CLOSED:
                         self._drop_socket(sock, f"peer closed {sock.describe()}", error=None)
                     return
                 self._handle(sock, item, now)
             except ProtocolError as exc:
+                self._held.pop(sock.conn, None)
                 self._fail(sock, exc)
                 return
 
@@ -745,6 +769,7 @@ class ConnectionGroups:
         self.events.append(GroupClosed(group.key, reason))
 
     def _forget(self, conn: ConnId) -> None:
+        self._held.pop(conn, None)
         sock = self._sockets.pop(conn, None)
         if sock is not None:
             self._settle(sock)

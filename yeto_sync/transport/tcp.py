@@ -66,6 +66,8 @@ from .log_throttle import LogThrottle
 
 #: The receive buffer all sockets share (a read never outlives the task step that made it).
 RECV_BUFFER_SIZE = 4 << 20
+#: The most a read that is not in place takes (headers and small frames go through it).
+SCRATCH_READ_BYTES = 256 << 10
 SEND_QUEUE_BYTES = 64 << 20
 SEND_STALL_TIMEOUT_S = 60.0
 LINGER_S = 2.0
@@ -335,6 +337,7 @@ class TcpTransport:
         self.groups = groups
         if groups.max_backlog is None:  # readers wait for the driver: bound what it holds
             groups.max_backlog = MAX_EVENT_BACKLOG
+        self._max_backlog: int = groups.max_backlog
         self.clock = clock
         self._listener = listener
         host, port = listener.getsockname()[:2]
@@ -413,7 +416,10 @@ class TcpTransport:
         while True:
             event = self.groups.pop_event()
             if event is not None:
-                if self.groups.backlog < MAX_EVENT_BACKLOG:
+                if self.groups.backlog < self._max_backlog:
+                    # Room: frames the bound left in sockets go first (a reader may be waiting
+                    # for bytes that never come), then the waiting readers may read again.
+                    self._apply(self.groups.drain_held(self.clock.now()))
                     self._room.set()
                 return event
             now = self.clock.now()
@@ -657,12 +663,16 @@ class TcpTransport:
                 if self.groups.holds_frames(conn):
                     # Frames of an earlier read wait for room in the backlog: hand them on
                     # before reading more, so one flooding peer cannot hold the others back.
+                    # (A socket closed on the way keeps reading, to the peer's EOF: closed
+                    # with unread bytes it would reset, and the ERROR could be lost.)
                     self._apply(self.groups.drain(conn, self.clock.now()))
-                    if not self.groups.is_open(conn):
-                        return
                     continue
                 # Large payloads are read straight into their frame's buffer (no copy).
                 into, direct = self.groups.next_read(conn, view)
+                if not direct:
+                    # Small frames: a read this size holds ~10,000 at most, decoded, when the
+                    # backlog is full (4 MiB of HEARTBEATs were ~90 MiB of frame objects).
+                    into = into[:SCRATCH_READ_BYTES]
                 if not into:
                     # The socket holds all it may before its group is settled: read nothing
                     # (TCP pushes back on the peer) until admission or the attach deadline.
@@ -684,8 +694,8 @@ class TcpTransport:
                     self._apply(self.groups.receive_direct(conn, size, self.clock.now()))
                 else:
                     self._apply(self.groups.receive(conn, view[:size], self.clock.now()))
-                if size == 0:
-                    return
+                if size == 0 and not self.groups.holds_frames(conn):
+                    return  # else the EOF waits behind held frames: hand it on first
         finally:
             peer.reader_done.set()
 
@@ -705,10 +715,10 @@ class TcpTransport:
 
     async def _room_for_events(self) -> None:
         """Let other tasks run; while the driver is behind, stop reading (TCP pushes back)."""
-        if self.groups.backlog < MAX_EVENT_BACKLOG:
+        if self.groups.backlog < self._max_backlog:
             await anyio.lowlevel.checkpoint()
             return
-        while self.groups.backlog >= MAX_EVENT_BACKLOG:
+        while self.groups.backlog >= self._max_backlog:
             if self._room.is_set():
                 self._room = anyio.Event()
             await self._room.wait()
