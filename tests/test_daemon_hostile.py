@@ -186,7 +186,11 @@ class PausedLearner:
         )
         self.thread = threading.Thread(target=self._play, args=(timeout,))
         self.thread.start()
-        wait_until(self.paused.is_set, 30, "the good learner to reach its pause")
+        try:
+            wait_until(self.paused.is_set, 30, "the good learner to reach its pause")
+        except BaseException:
+            self.resume.set()  # never leave its thread waiting for a resume
+            raise
 
     def _before_push(self, pull: object, pause_at: int) -> None:
         if getattr(pull, "global_step", 0) == pause_at and not self.resume.is_set():
@@ -263,15 +267,17 @@ def test_idle_peers_never_take_the_descriptors_the_daemons_files_need(tmp_path: 
     ]
     with Daemon(*flags, nofile=64) as daemon:
         idle: list[socket.socket] = []
-        # Paused before the first merge: nothing taped or checkpointed yet.
-        good = PausedLearner(daemon.address, pause_at=1, timeout=60)
+        good: PausedLearner | None = None
         try:
+            # Paused before the first merge: nothing taped or checkpointed yet.
+            good = PausedLearner(daemon.address, pause_at=1, timeout=60)
             for _ in range(100):  # the kernel's listen queue takes what the daemon does not
                 idle.append(socket.create_connection(daemon.address, timeout=10))
             time.sleep(1.5)
             good.finish(daemon)
         finally:
-            good.resume.set()
+            if good is not None:
+                good.resume.set()
             for sock in idle:
                 sock.close()
     taped = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]

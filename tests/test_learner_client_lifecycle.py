@@ -44,7 +44,7 @@ from yeto_proto import (
     AnyMessage,
     BcastFragment,
     FinalAck,
-    Heartbeat,
+    FrameType,
     Limits,
     MergeMode,
     PullReq,
@@ -391,11 +391,19 @@ def test_a_frozen_learner_reports_on_the_group_it_learns_of_and_pushes_nothing_t
         client.send = late_send  # type: ignore[method-assign]
         with pytest.raises(FinishTimeout):  # no final cut in this script
             learner.finish(timeout=1.5)
-        frames = []
-        with contextlib.suppress(TimeoutError, EOFError, OSError):
-            while True:
-                frames.append(second.control.read(timeout=0.5))
-        assert [type(f).__name__ for f in frames if not isinstance(f, Heartbeat)] == ["BudgetDone"]
+        # Frame types from the raw headers: this scripted syncer decodes with another layout's
+        # limits, and a PUSH must show up as a PUSH, not as a decoding error.
+        raw = bytearray(b"".join(bytes(encode_bytes(m)) for m in second.control.inbox))
+        second.control.sock.settimeout(0.5)
+        with contextlib.suppress(TimeoutError, OSError):
+            while chunk := second.control.sock.recv(1 << 16):
+                raw += chunk
+        sent = []
+        while raw:
+            length = int.from_bytes(raw[5:13], "little")
+            sent.append(FrameType(raw[4]).name)
+            del raw[: 13 + length]
+        assert [name for name in sent if name != "HEARTBEAT"] == ["BUDGET_DONE"]
     finally:
         learner.close()
 
@@ -447,3 +455,41 @@ def test_a_redialed_group_that_hears_nothing_is_given_up_at_the_reconnect_deadli
     assert isinstance(failure, ClientFailed)
     assert "could not reconnect within 2 s" in str(failure.error)
     silent.close()
+
+
+def test_finish_warns_at_once_of_a_pull_that_waits_for_a_step(
+    syncer: ScriptedSyncer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With --quorum M the syncer waits for this very PUSH and sends nothing more: the warning
+    must not wait for news (it used to come only with the FinishTimeout)."""
+    groups: dict[str, ScriptedGroup] = {}
+
+    def broadcast_all(group: ScriptedGroup, version: int) -> None:
+        for fragment, numel in enumerate(group.hello.layout.numels):
+            values = np.full(numel, version, "<f4")
+            group.control.send(BcastFragment(fragment, version, values.view(np.uint8).data))
+
+    def first_group() -> None:
+        groups["first"] = syncer.accept_group(0)
+        broadcast_all(groups["first"], 0)
+
+    opening = threading.Thread(target=first_group)
+    opening.start()
+    learner = Learner(tiny_model(), syncer=f"127.0.0.1:{syncer.port}", learner_id=1,
+                      num_learners=2, fragments=2, streams=0, connect_timeout=10,
+                      run_id="r")  # fmt: skip
+    try:
+        opening.join(10)
+        for _ in range(3):
+            learner.step(tokens=10)
+        broadcast_all(groups["first"], 1)
+        groups["first"].control.send(PullReq(0, 2, 0))
+        time.sleep(0.3)
+        learner.step(tokens=10)  # blends version 1 in and takes the PULL: no step since
+        started = time.time()  # log records carry wall-clock times
+        with caplog.at_level("WARNING", logger="yeto_learn"), pytest.raises(FinishTimeout):
+            learner.finish(timeout=3)
+        warned = [r for r in caplog.records if "waiting in finish()" in r.getMessage()]
+        assert warned and warned[0].created - started < 1.5
+    finally:
+        learner.close()

@@ -384,6 +384,7 @@ class Learner:
         self.final_global_step: int | None = None
         self._pushes = 0
         self._starved_warned = False
+        self._starved_check_at = 0.0
         self._applied = 0
         self._global_step = 0
         self._tokens = 0
@@ -603,8 +604,13 @@ class Learner:
 
     def _warn_of_starved_pulls(self) -> None:
         """Once per finish(): a learner that stopped training too early stalls the rounds
-        (with --quorum M, every learner's); say so now rather than at the timeout."""
-        if self._starved_warned or not (note := self._starved_pulls_note()):
+        (with --quorum M, every learner's); say so now rather than at the timeout. Looked at
+        once a second at most: the scan covers every fragment."""
+        now = time.monotonic()
+        if self._starved_warned or now < self._starved_check_at:
+            return
+        self._starved_check_at = now + 1.0
+        if not (note := self._starved_pulls_note()):
             return
         self._starved_warned = True
         _log.warning("yeto learner %d: waiting in finish()%s", self.learner_id, note)
@@ -636,7 +642,7 @@ class Learner:
                         if finishing and self._final is not None:
                             plan.applies += self._final_applies(self._final)
                             plan.final_global_step = self._final.final_global_step
-                        elif finishing and items:  # only news can starve a pull
+                        elif finishing:
                             self._warn_of_starved_pulls()
                 except BaseException as exc:
                     error = exc
