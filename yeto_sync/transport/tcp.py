@@ -659,12 +659,12 @@ class TcpTransport:
         watermark = ReceiveWatermark(sock, self.read_watermark)
         try:
             while True:
-                await self._room_for_events()
                 if self.groups.holds_frames(conn):
                     # Frames of an earlier read wait for room in the backlog: hand them on
                     # before reading more, so one flooding peer cannot hold the others back.
                     # (A socket closed on the way keeps reading, to the peer's EOF: closed
                     # with unread bytes it would reset, and the ERROR could be lost.)
+                    await self._room_for_events()
                     self._apply(self.groups.drain(conn, self.clock.now()))
                     continue
                 # Large payloads are read straight into their frame's buffer (no copy).
@@ -696,6 +696,7 @@ class TcpTransport:
                     self._apply(self.groups.receive(conn, view[:size], self.clock.now()))
                 if size == 0 and not self.groups.holds_frames(conn):
                     return  # else the EOF waits behind held frames: hand it on first
+                await self._room_for_events()  # other sockets' turn (and the driver's)
         finally:
             peer.reader_done.set()
 
