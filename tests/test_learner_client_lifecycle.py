@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -347,6 +348,30 @@ def test_close_lets_go_of_a_reader_held_by_a_full_inbox(
         sender.join(5)
 
 
+def broadcast_all(group: ScriptedGroup, version: int) -> None:
+    """A BCAST of every fragment of the group's layout, all values ``version``."""
+    for fragment, numel in enumerate(group.hello.layout.numels):
+        values = np.full(numel, version, "<f4")
+        group.control.send(BcastFragment(fragment, version, values.view(np.uint8).data))
+
+
+def started_learner(syncer: ScriptedSyncer, **options: Any) -> tuple[Learner, ScriptedGroup]:
+    """Learner 1 of 2 (no data streams) whose first group got version 0 of every fragment."""
+    groups: list[ScriptedGroup] = []
+
+    def first_group() -> None:
+        groups.append(syncer.accept_group(0))
+        broadcast_all(groups[0], 0)
+
+    opening = threading.Thread(target=first_group)
+    opening.start()
+    learner = Learner(tiny_model(), syncer=f"127.0.0.1:{syncer.port}", learner_id=1,
+                      num_learners=2, fragments=2, streams=0, connect_timeout=10,
+                      run_id="r", **options)  # fmt: skip
+    opening.join(10)
+    return learner, groups[0]
+
+
 def test_a_frozen_learner_reports_on_the_group_it_learns_of_and_pushes_nothing_there(
     syncer: ScriptedSyncer,
 ) -> None:
@@ -354,27 +379,11 @@ def test_a_frozen_learner_reports_on_the_group_it_learns_of_and_pushes_nothing_t
     PULL wait unread. BUDGET_DONE used to go to the lost group, come back unsent only after the
     PULL had been answered with a frozen PUSH, and then follow it on the new group (spec/
     learner.md § 10: that group's pulls stay unanswered)."""
-    groups: dict[str, ScriptedGroup] = {}
-
-    def broadcast_all(group: ScriptedGroup, version: int) -> None:
-        for fragment, numel in enumerate(group.hello.layout.numels):
-            values = np.full(numel, version, "<f4")
-            group.control.send(BcastFragment(fragment, version, values.view(np.uint8).data))
-
-    def first_group() -> None:
-        groups["first"] = syncer.accept_group(0)
-        broadcast_all(groups["first"], 0)
-
-    opening = threading.Thread(target=first_group)
-    opening.start()
-    learner = Learner(tiny_model(), syncer=f"127.0.0.1:{syncer.port}", learner_id=1,
-                      num_learners=2, fragments=2, streams=0, connect_timeout=10,
-                      run_id="r", budget_steps=3)  # fmt: skip
+    learner, first = started_learner(syncer, budget_steps=3)
     try:
-        opening.join(10)
         for _ in range(3):
             learner.step(tokens=10)
-        groups["first"].close()
+        first.close()
         second = syncer.accept_group(0)
         broadcast_all(second, 5)
         second.control.send(PullReq(0, 6, 0))
@@ -462,28 +471,12 @@ def test_finish_warns_at_once_of_a_pull_that_waits_for_a_step(
 ) -> None:
     """With --quorum M the syncer waits for this very PUSH and sends nothing more: the warning
     must not wait for news (it used to come only with the FinishTimeout)."""
-    groups: dict[str, ScriptedGroup] = {}
-
-    def broadcast_all(group: ScriptedGroup, version: int) -> None:
-        for fragment, numel in enumerate(group.hello.layout.numels):
-            values = np.full(numel, version, "<f4")
-            group.control.send(BcastFragment(fragment, version, values.view(np.uint8).data))
-
-    def first_group() -> None:
-        groups["first"] = syncer.accept_group(0)
-        broadcast_all(groups["first"], 0)
-
-    opening = threading.Thread(target=first_group)
-    opening.start()
-    learner = Learner(tiny_model(), syncer=f"127.0.0.1:{syncer.port}", learner_id=1,
-                      num_learners=2, fragments=2, streams=0, connect_timeout=10,
-                      run_id="r")  # fmt: skip
+    learner, first = started_learner(syncer)
     try:
-        opening.join(10)
         for _ in range(3):
             learner.step(tokens=10)
-        broadcast_all(groups["first"], 1)
-        groups["first"].control.send(PullReq(0, 2, 0))
+        broadcast_all(first, 1)
+        first.control.send(PullReq(0, 2, 0))
         time.sleep(0.3)
         learner.step(tokens=10)  # blends version 1 in and takes the PULL: no step since
         started = time.time()  # log records carry wall-clock times
