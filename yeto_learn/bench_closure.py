@@ -48,6 +48,8 @@ from yeto_proto.checkpoint import (
 from yeto_proto.errors import ProtocolError
 
 from .artifact_files import LAYOUT_FILE
+from .demo_shapes import byte_model_shapes
+from .model_layout import most_fragments
 from .process_control import Stopped, parent_death_signal, signals_raise
 
 if TYPE_CHECKING:
@@ -102,6 +104,9 @@ class BenchConfig:
             raise ValueError(f"--learners must be >= 1, got {self.learners}")
         if self.fragments < 1:
             raise ValueError(f"--fragments must be >= 1, got {self.fragments}")
+        most = most_fragments(byte_model_shapes(*TINY_MODEL))
+        if self.fragments > most:  # the learners would refuse it, after the syncer started
+            raise ValueError(f"--fragments must be at most {most} for the bench's model")
         if self.batch_size < 1:  # 0 trains nothing: c_tokens 0 weighs every push at zero
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
         if not 1 <= self.budget < 1 << 32:

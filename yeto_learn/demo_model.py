@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .artifact_files import STATE_FILE
+from .demo_shapes import VOCAB
 
 #: Pure-Python standard library modules whose source is the corpus (missing ones are skipped).
 CORPUS_MODULES = (
@@ -58,7 +59,6 @@ CORPUS_MODULES = (
 #: Every tenth block of the corpus is held out for evaluation.
 EVAL_EVERY = 10
 EVAL_BLOCK = 2048
-VOCAB = 256
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,9 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from yeto_proto import MergeMode
 from yeto_proto.checkpoint import write_bytes_atomically
 
 from .artifact_files import LAYOUT_FILE, STATE_FILE
+from .demo_shapes import byte_model_shapes
+from .model_layout import most_fragments
 from .process_control import Stopped, divert_closed_stdout, parent_death_signal, signals_raise
 
 if TYPE_CHECKING:
@@ -302,6 +305,9 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "--learners must be at least 1"
     if args.fragments < 1:
         return "--fragments must be at least 1"
+    most = most_fragments(byte_model_shapes(), MergeMode[args.merge.upper()])
+    if args.fragments > most:  # the learners would refuse it, after everything started
+        return f"--fragments must be at most {most} for the demo model with --merge {args.merge}"
     if args.steps < 1:
         return "--steps must be at least 1"
     if not 0 <= args.streams <= 256:
