@@ -166,9 +166,11 @@ def make_client() -> Iterator[list[SyncerClient]]:
         client.close()
 
 
-def start_client(clients: list[SyncerClient], port: int, **options: float | int) -> SyncerClient:
+def start_client(
+    clients: list[SyncerClient], port: int, limits: Limits = LIMITS, **options: float | int
+) -> SyncerClient:
     config = ClientConfig("127.0.0.1", port, **options)  # type: ignore[arg-type]
-    client = SyncerClient(config, HELLO, LIMITS)
+    client = SyncerClient(config, HELLO, limits)
     client.start()
     clients.append(client)
     return client

@@ -250,12 +250,8 @@ def start_flooded_client(
     syncer: ScriptedSyncer, clients: list[SyncerClient]
 ) -> tuple[SyncerClient, ScriptedConnection, threading.Thread]:
     """A client with a 2 MiB inbox cap whose syncer sends 48 BCASTs of 1 MiB from a thread."""
-    config = ClientConfig(
-        "127.0.0.1", syncer.port, num_streams=0, heartbeat_interval=60, inbox_cap_bytes=INBOX_CAP
-    )
-    client = SyncerClient(config, HELLO, MIB_LIMITS)
-    client.start()
-    clients.append(client)
+    client = start_client(clients, syncer.port, MIB_LIMITS, num_streams=0,
+                          heartbeat_interval=60, inbox_cap_bytes=INBOX_CAP)  # fmt: skip
     group = syncer.accept_group(0)
     assert isinstance(next_item(client), GroupUp)
     values = np.ones(1 << 18, dtype=np.float32).view(np.uint8).data
@@ -314,12 +310,8 @@ def test_a_new_group_reads_although_a_lost_group_filled_the_inbox(
 ) -> None:
     """The syncer dropped the held group; the redialed one must read its replay, or the syncer
     drops it too (its send stall) and the learner counts it as a failed redial."""
-    config = ClientConfig(
-        "127.0.0.1", syncer.port, num_streams=0, heartbeat_interval=0.2, inbox_cap_bytes=INBOX_CAP
-    )
-    client = SyncerClient(config, HELLO, MIB_LIMITS)
-    client.start()
-    make_client.append(client)
+    client = start_client(make_client, syncer.port, MIB_LIMITS, num_streams=0,
+                          heartbeat_interval=0.2, inbox_cap_bytes=INBOX_CAP)  # fmt: skip
     first = syncer.accept_group(0)
     values = np.ones(1 << 18, dtype=np.float32).view(np.uint8).data
     for version in range(1, 5):  # 4 MiB: over the 2 MiB cap, and the reads are held
