@@ -9,17 +9,19 @@ empty parameter, a merge that needs more fragments, rank 0 failing under torchru
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from syncer_process import REPO, child_env, free_port, running_syncer
+from syncer_process import REPO, SyncerProcess, child_env, free_port, running_syncer
 
 from yeto_learn import FinishTimeout, Learner, LearnerError, SyncerUnreachable
 from yeto_learn.learner import RUN_ID_FILE
@@ -41,9 +43,21 @@ def train_steps(learner: Learner, model: torch.nn.Module, steps: int) -> None:
         time.sleep(0.002)
 
 
-def one_learner(address: str, model: torch.nn.Module, **options: Any) -> Learner:
-    return Learner(model, syncer=address, learner_id=0, num_learners=1, fragments=2, streams=1,
-                   connect_timeout=30, **options)  # fmt: skip
+@contextlib.contextmanager
+def one_learner(
+    tmp_path: Path, total_steps: int, extra: Sequence[str] = (), **options: Any
+) -> Iterator[tuple[SyncerProcess, torch.nn.Module, Learner]]:
+    """A syncer for one learner, and that learner on a fresh small model (closed after)."""
+    with running_syncer(
+        tmp_path / "syncer", learners=1, total_steps=total_steps, extra=extra
+    ) as syncer:
+        model = small_model()
+        learner = Learner(model, syncer=syncer.address, learner_id=0, num_learners=1,
+                          fragments=2, streams=1, connect_timeout=30, **options)  # fmt: skip
+        try:
+            yield syncer, model, learner
+        finally:
+            learner.close()
 
 
 def test_step_needs_a_token_count() -> None:
@@ -54,70 +68,50 @@ def test_step_needs_a_token_count() -> None:
 
 
 def test_a_replaced_parameter_is_refused_at_the_next_check(tmp_path: Path) -> None:
-    with running_syncer(tmp_path / "syncer", learners=1, total_steps=4) as syncer:
-        model = small_model()
-        learner = one_learner(syncer.address, model)
-        try:
-            train_steps(learner, model, 3)
-            model[0].weight = torch.nn.Parameter(model[0].weight.detach().clone())
-            with pytest.raises(LearnerError, match="'0.weight' was replaced in the model"):
-                learner.finish(timeout=5)
-        finally:
-            learner.close()
+    with one_learner(tmp_path, 4) as (syncer, model, learner):
+        train_steps(learner, model, 3)
+        model[0].weight = torch.nn.Parameter(model[0].weight.detach().clone())
+        with pytest.raises(LearnerError, match="'0.weight' was replaced in the model"):
+            learner.finish(timeout=5)
 
 
 def test_load_state_dict_with_assign_is_caught_at_the_first_step(tmp_path: Path) -> None:
-    with running_syncer(tmp_path / "syncer", learners=1, total_steps=4) as syncer:
-        model = small_model()
-        learner = one_learner(syncer.address, model)
-        try:
-            model.load_state_dict(small_model().state_dict(), assign=True)
-            with pytest.raises(LearnerError, match="load_state_dict"):
-                learner.step(tokens=8)
-        finally:
-            learner.close()
+    with one_learner(tmp_path, 4) as (syncer, model, learner):
+        model.load_state_dict(small_model().state_dict(), assign=True)
+        with pytest.raises(LearnerError, match="load_state_dict"):
+            learner.step(tokens=8)
 
 
 def test_an_interrupt_while_blending_ends_the_learner(tmp_path: Path) -> None:
     extra = ["--sync-interval-steps", "2"]
-    with running_syncer(tmp_path / "syncer", learners=1, total_steps=50, extra=extra) as syncer:
-        model = small_model()
-        learner = one_learner(syncer.address, model)
-        try:
+    with one_learner(tmp_path, 50, extra) as (syncer, model, learner):
 
-            def interrupted(*_: object) -> None:
-                raise KeyboardInterrupt
+        def interrupted(*_: object) -> None:
+            raise KeyboardInterrupt
 
-            learner._params.apply = interrupted  # type: ignore[method-assign]
-            deadline = time.monotonic() + 30
-            with pytest.raises(KeyboardInterrupt):
-                while time.monotonic() < deadline:  # until a broadcast is blended
-                    train_steps(learner, model, 1)
-            # Half-blended parameters must not be pushed as if whole: the learner is over.
-            with pytest.raises(LearnerError, match="failed earlier"):
-                learner.step(tokens=8)
-        finally:
-            learner.close()
+        learner._params.apply = interrupted  # type: ignore[method-assign]
+        deadline = time.monotonic() + 30
+        with pytest.raises(KeyboardInterrupt):
+            while time.monotonic() < deadline:  # until a broadcast is blended
+                train_steps(learner, model, 1)
+        # Half-blended parameters must not be pushed as if whole: the learner is over.
+        with pytest.raises(LearnerError, match="failed earlier"):
+            learner.step(tokens=8)
 
 
 def test_finish_before_final_ready_says_what_to_do(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     extra = ["--sync-interval-steps", "8", "--quorum-timeout-s", "5"]
-    with running_syncer(tmp_path / "syncer", learners=1, total_steps=20, extra=extra) as syncer:
-        model = small_model()
-        learner = one_learner(syncer.address, model)
-        try:
-            train_steps(learner, model, 20)
-            assert not learner.final_ready
-            with (
-                caplog.at_level(logging.WARNING, logger="yeto_learn"),
-                pytest.raises(FinishTimeout, match="keep calling step\\(\\) until final_ready"),
-            ):
-                learner.finish(timeout=6)
-            assert any("waiting in finish()" in r.getMessage() for r in caplog.records)
-        finally:
-            learner.close()
+    with one_learner(tmp_path, 20, extra) as (syncer, model, learner):
+        train_steps(learner, model, 20)
+        assert not learner.final_ready
+        with (
+            caplog.at_level(logging.WARNING, logger="yeto_learn"),
+            pytest.raises(FinishTimeout, match="keep calling step\\(\\) until final_ready"),
+        ):
+            learner.finish(timeout=6)
+        assert any("waiting in finish()" in r.getMessage() for r in caplog.records)
 
 
 def test_a_learner_that_never_started_may_be_started_again(tmp_path: Path) -> None:
@@ -135,15 +129,10 @@ def test_a_text_hello_key_is_its_utf8_bytes(tmp_path: Path) -> None:
     key_file = tmp_path / "hello.key"
     key_file.write_text(key + "\n")
     extra = ["--hello-hmac-key-file", str(key_file)]
-    with running_syncer(tmp_path / "syncer", learners=1, total_steps=2, extra=extra) as syncer:
-        model = small_model()
-        learner = one_learner(syncer.address, model, hello_key=key)
-        try:
-            while not learner.final_ready:
-                train_steps(learner, model, 1)
-            learner.finish(timeout=30)
-        finally:
-            learner.close()
+    with one_learner(tmp_path, 2, extra, hello_key=key) as (syncer, model, learner):
+        while not learner.final_ready:
+            train_steps(learner, model, 1)
+        learner.finish(timeout=30)
         assert syncer.wait() == 0
 
 
@@ -273,16 +262,11 @@ def test_the_saved_state_dict_loads_into_the_same_class(tmp_path: Path) -> None:
 
 def test_a_finish_timeout_leaves_the_learner_usable(tmp_path: Path) -> None:
     extra = ["--sync-interval-steps", "4"]
-    with running_syncer(tmp_path / "syncer", learners=1, total_steps=8, extra=extra) as syncer:
-        model = small_model()
-        learner = one_learner(syncer.address, model)
-        try:
-            train_steps(learner, model, 2)
-            with pytest.raises(FinishTimeout):
-                learner.finish(timeout=0.3)  # too early: the run goes on
-            while not learner.final_ready:  # it used to be closed for good by the timeout
-                train_steps(learner, model, 1)
-            learner.finish(timeout=30)
-        finally:
-            learner.close()
+    with one_learner(tmp_path, 8, extra) as (syncer, model, learner):
+        train_steps(learner, model, 2)
+        with pytest.raises(FinishTimeout):
+            learner.finish(timeout=0.3)  # too early: the run goes on
+        while not learner.final_ready:  # it used to be closed for good by the timeout
+            train_steps(learner, model, 1)
+        learner.finish(timeout=30)
         assert syncer.wait() == 0
