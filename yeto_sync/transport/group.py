@@ -589,6 +589,11 @@ class ConnectionGroups:
             self._drain(sock, now)
         return self._take_wire()
 
+    @property
+    def holds_any(self) -> bool:
+        """Some socket holds what the bounded backlog left there (see :meth:`drain_held`)."""
+        return bool(self._held)
+
     def drain_held(self, now: float) -> list[WireCommand]:
         """Hand on what the bounded backlog left in any socket, oldest first, while there is
         room: their readers may be waiting for bytes that never come (frames behind a HELLO,

@@ -419,7 +419,8 @@ class TcpTransport:
                 if self.groups.backlog < self._max_backlog:
                     # Room: frames the bound left in sockets go first (a reader may be waiting
                     # for bytes that never come), then the waiting readers may read again.
-                    self._apply(self.groups.drain_held(self.clock.now()))
+                    if self.groups.holds_any:  # rarely: checked on the driver's every event
+                        self._apply(self.groups.drain_held(self.clock.now()))
                     self._room.set()
                 return event
             now = self.clock.now()
