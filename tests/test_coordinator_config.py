@@ -137,6 +137,7 @@ def test_semantic_flags_change_the_profile_hash(change: dict[str, Any]) -> None:
         ({"grace_gamma": -0.1}, "--grace-gamma"),
         ({"checkpoint_every": 0}, "--checkpoint-every"),
         ({"learner_budget_steps": 0}, "--learner-budget-steps"),
+        ({"learner_budget_steps": 1 << 32}, "--learner-budget-steps"),  # c_steps is a u32
         ({"max_base_lag": -1}, "--max-base-lag"),
         ({"iso_worker_queue_capacity": 0}, "--iso-worker-queue-capacity"),
     ],

@@ -29,7 +29,7 @@ from yeto_proto.checkpoint import Checkpoint, read_checkpoint, refusal_before_he
 from yeto_proto.checkpoint.marker import marker_path
 from yeto_proto.constants import IsoBackend
 from yeto_proto.errors import ProtocolError
-from yeto_proto.identity import DeltaCorrection, LearnerWeight
+from yeto_proto.identity import DeltaCorrection, LearnerWeight, hello_key_of_file
 
 from .config import DEFAULT_HOST, DEFAULT_PORT, SyncerConfig
 from .coordinator import Coordinator
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     rounds.add_argument(
         "--learner-budget-steps",
         type=int,
-        help="benchmark cutoff: the positive learner step budget every learner also received",
+        help="benchmark cutoff: the learner step budget B (1..2^32-1) every learner also received",
     )
     rounds.add_argument(
         "--require-profile-binding",
@@ -164,7 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-path", type=Path, metavar="PATH", help="V3 checkpoint file (atomic writes)"
     )
     state.add_argument(
-        "--checkpoint-every", type=int, default=8, help="checkpoint every N committed steps"
+        "--checkpoint-every",
+        type=int,
+        default=8,
+        help="checkpoint after committing each step that is a multiple of N (and the last)",
     )
     state.add_argument(
         "--resume",
@@ -241,7 +244,7 @@ def load_hello_key(config: SyncerConfig) -> bytes | None:
                 f"cannot read --hello-hmac-key-file {config.hello_hmac_key_file}: "
                 f"{exc.strerror or exc}"
             ) from None
-        key = key.removesuffix(b"\n").removesuffix(b"\r")
+        key = hello_key_of_file(key)
     else:
         text = os.environ.get(HMAC_KEY_ENV)
         if text is None:

@@ -105,8 +105,9 @@ class SyncerConfig:
         )
         if self.learner_budget_steps is not None:
             _require(
-                1 <= self.learner_budget_steps <= _U64_MAX,
-                f"--learner-budget-steps must be positive, got {self.learner_budget_steps}",
+                # B travels as c_steps (u32): a larger budget is one no learner can report.
+                1 <= self.learner_budget_steps <= _U32_MAX,
+                f"--learner-budget-steps must be in 1..2^32-1, got {self.learner_budget_steps}",
             )
         if self.max_base_lag is not None:
             _require(
