@@ -32,6 +32,7 @@ from yeto_proto import (
     SyncerProfile,
     TensorSpec,
     WireFragment,
+    hello_key_of_file,
     hello_mac,
     layout_fingerprint,
     sign_hello,
@@ -301,6 +302,23 @@ def test_every_semantic_field_changes_the_profile_hash() -> None:
 
 
 # -- HELLO authentication -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        (b"k3y", b"k3y"),
+        (b"k3y\n", b"k3y"),
+        (b"k3y\r\n", b"k3y"),
+        (b"k3y\r", b"k3y"),
+        (b"k3y\n\n", b"k3y\n"),  # one line ending only: the rest is the key's
+        (b"k3y\r\r\n", b"k3y\r"),
+        (b"\nk3y", b"\nk3y"),
+        (b"\n", b""),
+    ],
+)
+def test_a_key_file_loses_one_trailing_line_ending(raw: bytes, key: bytes) -> None:
+    assert hello_key_of_file(raw) == key
 
 
 def test_hello_mac_is_hmac_sha256_over_the_domain_and_body() -> None:

@@ -101,6 +101,15 @@ class SyncerProfile:
         return hashlib.sha256(self.canonical_bytes()).digest()
 
 
+def hello_key_of_file(raw: bytes) -> bytes:
+    """The HELLO key a key file holds: its bytes without one trailing line ending.
+
+    ``\\n``, ``\\r\\n`` or a lone ``\\r`` is removed (a key written by ``print`` or an editor on
+    any system); anything before it, including a second line ending, is part of the key.
+    """
+    return raw.removesuffix(b"\n").removesuffix(b"\r")
+
+
 def hello_mac(key: bytes, body: bytes | memoryview) -> bytes:
     mac = hmac.new(key, HELLO_MAC_DOMAIN, hashlib.sha256)
     mac.update(body)
