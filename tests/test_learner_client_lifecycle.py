@@ -40,7 +40,9 @@ from yeto_learn.transport import (
     SyncerClient,
     Undelivered,
 )
+from yeto_learn.transport import client as client_module
 from yeto_learn.transport.client import MESSAGE_OVERHEAD_BYTES
+from yeto_learn.transport.group import open_socket
 from yeto_proto import (
     AnyMessage,
     BcastFragment,
@@ -123,6 +125,47 @@ def test_close_during_a_dial_abandons_it_and_leaves_no_thread_or_socket(
     assert not client.running  # a dial left running would join the session later
     assert client.poll() == []  # no group came up
     assert open_fds() <= fds_before  # no socket left open
+
+
+def test_a_close_as_a_dial_completes_opens_no_group(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() lands while the dial's last connect completes, before the event loop has handled
+    its wake-up (so the stop event is not set yet): the dial must still give up, not open a
+    group and send HELLO to a syncer the learner has already left."""
+    client = SyncerClient(
+        ClientConfig("127.0.0.1", syncer.port, num_streams=1, heartbeat_interval=60), HELLO, LIMITS
+    )
+    make_client.append(client)  # closed again if the test fails on the way
+    opened: list[socket.socket] = []
+    closers: list[threading.Thread] = []
+
+    async def close_as_the_last_socket_opens(host: str, port: int) -> socket.socket:
+        sock = await open_socket(host, port)
+        opened.append(sock)
+        if len(opened) == 2:  # stream 0 and the data socket: the dial completes now
+            closer = threading.Thread(target=client.close)
+            closer.start()
+            closers.append(closer)
+            # Block the event loop (no await) until close() has asked: its wake-up is then
+            # still unhandled when the dial looks, as when both happen in one loop turn.
+            wait_for(lambda: client._close_requested)
+        return sock
+
+    monkeypatch.setattr(client_module, "open_socket", close_as_the_last_socket_opens)
+    client.start()
+    accepted = []
+    for _ in range(2):
+        syncer.listener.settimeout(5)
+        accepted.append(syncer.listener.accept()[0])
+    wait_for(lambda: closers)
+    closers[0].join(5)
+    assert not client.running
+    assert client.poll() == []  # no GroupUp: the dial opened no group
+    for sock in accepted:  # and wrote nothing: the sockets end without a HELLO or DATA_HELLO
+        sock.settimeout(5)
+        assert sock.recv(1 << 16) == b""
+        sock.close()
 
 
 def test_a_pending_connect_does_not_overrun_connect_timeout(
