@@ -3,11 +3,15 @@ learner's plain-socket group in a worker thread."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import select
 import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 import anyio
@@ -703,6 +707,41 @@ def test_a_peer_that_leaves_while_its_socket_is_held_back_is_noticed_at_once() -
         return time.monotonic() - left_at
 
     assert run_and_return(scenario()) < 1.0
+
+
+def open_epolls() -> int:
+    """The epoll descriptors this process holds (the event loop's own among them)."""
+    fds = Path("/proc/self/fd")
+    links = []
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):  # the directory's own descriptor is gone by now
+            links.append(os.readlink(fd))
+    return links.count("anon_inode:[eventpoll]")
+
+
+@pytest.mark.skipif(
+    not (hasattr(select, "epoll") and os.path.isdir("/proc/self/fd")), reason="needs epoll, /proc"
+)
+def test_the_hangup_watch_holds_an_epoll_only_while_the_transport_serves() -> None:
+    # A transport built and never served used to leak the watch's epoll (made at construction,
+    # closed only by the watch's task).
+    async def scenario() -> tuple[int, int, int, int]:
+        before = open_epolls()
+        listener = socket.create_server(("127.0.0.1", 0))
+        async with anyio.create_task_group() as tasks:
+            unserved = TcpTransport(ConnectionGroups(2), MonotonicClock(), listener, tasks)
+            never_served = open_epolls()
+            del unserved
+        listener.close()
+        async with TcpTransport.serve(ConnectionGroups(2), MonotonicClock(), "127.0.0.1", 0):
+            await anyio.wait_all_tasks_blocked()  # the watch's task has started
+            serving = open_epolls()
+        return before, never_served, serving, open_epolls()
+
+    before, never_served, serving, after = run_and_return(scenario())
+    assert never_served == before
+    assert serving == before + 1  # the watch's own, while it runs
+    assert after == before  # and closed once it stops
 
 
 def test_at_the_socket_limit_the_oldest_socket_without_a_group_makes_room() -> None:
