@@ -58,11 +58,13 @@ from yeto_sync.transport import MonotonicClock
 from yeto_sync.transport.group import ConnectionGroups, LogFn, WireCommand
 from yeto_sync.transport.log_throttle import LogThrottle
 from yeto_sync.transport.tcp import (
+    HARD_STOP_S,
     MAX_EVENT_BACKLOG,
     WRITE_TURN_BYTES,
     Outgoing,
     SendQueue,
     TcpTransport,
+    _Peer,
 )
 
 BIG = 1_500_000  # 6 MB of f32: two CHUNKs per BCAST
@@ -675,6 +677,32 @@ def test_shutdown_ends_within_its_grace_when_a_learner_stopped_reading() -> None
 
     stopped_in = run_and_return(scenario())
     assert stopped_in < grace + 0.3
+
+
+def test_serve_adds_nothing_to_a_shutdown_that_ended_with_its_hard_stop() -> None:
+    # serve() shuts the transport down once more on its way out. After the driver's shutdown
+    # had cut what was left, that second one waited HARD_STOP_S again for any socket still
+    # open: the bounded stop took up to 0.5 s more than its grace.
+    grace = 0.6
+
+    async def scenario() -> tuple[float, float]:
+        async with TcpTransport.serve(
+            ConnectionGroups(2), MonotonicClock(), "127.0.0.1", 0
+        ) as transport:
+            # A socket whose task does not end within the hard stop (here: it has none).
+            sock, other = socket.socketpair()
+            transport._peers[999] = _Peer(999, sock, "stuck", SendQueue(1 << 20))
+            started = time.monotonic()
+            await transport.shutdown(grace)  # as the driver's exit does
+            stopped = time.monotonic()
+        exited = time.monotonic()
+        sock.close()
+        other.close()
+        return stopped - started, exited - stopped
+
+    shutdown_took, exit_took = run_and_return(scenario())
+    assert shutdown_took >= HARD_STOP_S  # it waited for the stuck socket, up to its grace
+    assert exit_took < HARD_STOP_S / 2  # serve()'s own shutdown returned at once
 
 
 def test_a_peer_that_leaves_while_its_socket_is_held_back_is_noticed_at_once() -> None:
