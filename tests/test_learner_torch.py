@@ -8,6 +8,7 @@ must carry the same state and a layout that ``yeto checkpoint export`` accepts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -30,7 +31,9 @@ from yeto_learn import FinishTimeout, Learner, LearnerError
 from yeto_learn.cli import main as yeto_main
 from yeto_learn.learner import LAYOUT_FILE, RUN_ID_FILE, STATE_FILE, SUMMARY_FILE, resolve_run_id
 from yeto_learn.model_layout import normalize_name
-from yeto_proto import Layout
+from yeto_learn.session import LearnerSession
+from yeto_learn.transport import client as client_module
+from yeto_proto import AnyMessage, BudgetDone, Layout
 from yeto_proto.checkpoint import Checkpoint, is_marked_final, read_checkpoint
 
 TARGET = torch.randn(8, 1, generator=torch.Generator().manual_seed(42))
@@ -498,6 +501,67 @@ def test_a_budget_report_queued_for_a_lost_group_reaches_the_syncer_on_the_next(
     assert len(reports) == 1 and reports[0]["generation"] == learner.generations[1]
     cutoff = read_checkpoint(syncer.checkpoint)  # the unmarked recovery state
     assert not is_marked_final(syncer.checkpoint, cutoff.global_step)
+
+
+def test_a_budget_report_that_comes_back_unsent_is_resent_once_on_the_redialed_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The resend path: report_budget() reads the loss first, so BUDGET_DONE comes back unsent
+    only when the group drops after its turn read the inbox and before the network thread
+    takes the report. Forced here: the report's send waits until the client has given the
+    group up and redials; it must then reach the syncer once, on the redialed group."""
+    monkeypatch.setattr(client_module, "backoff_delay", lambda failures: 0.05)  # redial at once
+    resent: list[int] = []
+    resend = LearnerSession.budget_done_resent
+
+    def counted_resend(session: LearnerSession) -> BudgetDone:
+        resent.append(session.local_step)
+        return resend(session)
+
+    monkeypatch.setattr(LearnerSession, "budget_done_resent", counted_resend)
+    budget = 5
+    extra = ["--learner-budget-steps", str(budget), "--sync-interval-steps", "64"]
+    sent_on: list[int] = []  # the epoch each BUDGET_DONE was queued for
+    with running_syncer(tmp_path / "syncer", learners=1, total_steps=1000, extra=extra) as syncer:
+        host, port = syncer.address.rsplit(":", 1)
+        proxy = SeverableProxy((host, int(port)))
+        learner = Learner(regression_model(), syncer=proxy.address, learner_id=0,
+                          num_learners=1, fragments=2, streams=0, budget_steps=budget,
+                          connect_timeout=30, reconnect_timeout=30)  # fmt: skip
+        try:
+            for _ in range(budget):
+                learner.step(tokens=1)
+            client = learner._client
+            assert client is not None
+            send = client.send
+
+            def send_once_the_group_is_lost(epoch: int, message: AnyMessage) -> None:
+                if isinstance(message, BudgetDone):
+                    sent_on.append(epoch)
+                    if len(sent_on) == 1:  # the first: its group drops before it is taken
+                        assert proxy.sever() > 0
+                        deadline = time.monotonic() + 10
+                        while len(learner.generations) < 2:  # group 1 is gone: a redial began
+                            assert time.monotonic() < deadline, "the client did not redial"
+                            time.sleep(0.01)
+                send(epoch, message)
+
+            client.send = send_once_the_group_is_lost  # type: ignore[method-assign]
+            learner.report_budget()
+            deadline = time.monotonic() + 10
+            while syncer.process.poll() is None:  # it exits once every learner has reported
+                assert time.monotonic() < deadline, "the syncer never got the report"
+                with contextlib.suppress(FinishTimeout):  # the cutoff syncer sends no final cut
+                    learner.finish(timeout=0.1)  # takes in what arrives, re-sends what came back
+        finally:
+            learner.close()
+            proxy.close()
+        assert syncer.wait(10) == 0, syncer.log_tail()
+    assert sent_on == [1, 2]  # queued for the lost group, then re-sent on the redialed one
+    assert resent == [budget]
+    lines = [json.loads(line) for line in syncer.tape.read_text().splitlines()]
+    reports = [line for line in lines if line.get("event") == "budget_done"]
+    assert len(reports) == 1 and reports[0]["generation"] == learner.generations[1]
 
 
 # -- identity -------------------------------------------------------------------------------------
