@@ -469,9 +469,10 @@ def test_learners_carry_on_when_the_syncer_resumes_from_an_older_checkpoint(
     assert second_run == list(range(resumed_from + 1, 21))  # the rounds after it, redone
 
 
-def test_a_budget_report_queued_for_a_lost_group_reaches_the_syncer_on_the_next(
-    tmp_path: Path,
+def test_a_budget_report_made_after_a_group_is_lost_goes_to_the_redialed_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(client_module, "backoff_delay", lambda failures: 0.05)  # redial at once
     budget = 5
     extra = ["--learner-budget-steps", str(budget), "--sync-interval-steps", "64"]
     with running_syncer(tmp_path / "syncer", learners=1, total_steps=1000, extra=extra) as syncer:
@@ -491,7 +492,7 @@ def test_a_budget_report_queued_for_a_lost_group_reaches_the_syncer_on_the_next(
             # Its turn takes in the loss first, so the report goes to the redialed group.
             learner.report_budget()
             with pytest.raises(FinishTimeout):  # the cutoff syncer sends no final cut
-                learner.finish(timeout=4)
+                learner.finish(timeout=1)
         finally:
             learner.close()
             proxy.close()
