@@ -65,6 +65,9 @@ LISTENING = "yeto-sync listening on "
 CUTOFF_TOTAL_STEPS = 1 << 40
 SYNCER_START_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
+#: How long a stopped or failed closure waits for its learner threads to end (importing torch
+#: takes seconds on a busy machine).
+LEARNER_STOP_GRACE_S = 5.0
 #: The tiny model: ByteModel(context, embed, hidden) of yeto_learn.demo_model.
 TINY_MODEL = (8, 8, 32)
 MODEL_SEED = 0
@@ -272,6 +275,8 @@ class Crew:
     failures: list[tuple[int, BaseException]] = field(default_factory=list)
     finished: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Set by :meth:`close_all`: no thread starts or goes on training after it.
+    stopping: threading.Event = field(default_factory=threading.Event)
 
     def failure(self) -> str | None:
         with self.lock:
@@ -280,12 +285,42 @@ class Crew:
             learner_id, error = self.failures[0]
             return f"learner {learner_id}: {error}"
 
+    def enlist(self, learner_id: int, learner: Learner) -> bool:
+        """Hand a learner that was just built to the crew; once it stops, close it instead.
+
+        A thread may finish building its learner after :meth:`close_all` ran: that learner
+        would train on, unclosed, until the process ends.
+        """
+        with self.lock:
+            if not self.stopping.is_set():
+                self.learners[learner_id] = learner
+                return True
+        with contextlib.suppress(Exception):
+            learner.close()
+        return False
+
     def close_all(self) -> None:
         with self.lock:
+            self.stopping.set()
             learners = list(self.learners.values())
         for learner in learners:
             with contextlib.suppress(Exception):
                 learner.close()
+
+    def join(self, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds in all for the learner threads to end.
+
+        They are daemon threads, but none may still be inside torch when the interpreter
+        exits: CPython ends such a thread when it next takes the GIL, from inside torch's
+        C++ code that released it, and that aborts the whole process (SIGABRT, "terminate
+        called without an active exception") after its last line was printed. Once stopping,
+        a thread ends at its next step, or as soon as its model is built; only one still
+        importing torch, or dialing a syncer that is gone, can outlast the wait (see
+        :func:`~yeto_learn.process_control.exit_process`).
+        """
+        deadline = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _train_learner(
@@ -304,6 +339,8 @@ def _train_learner(
         corpus = Corpus.load()
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
         generator = torch.Generator().manual_seed(1000 + learner_id)
+        if crew.stopping.is_set():  # stopped while torch was imported: do not dial
+            return
         learner = Learner(
             model,
             syncer=address,
@@ -327,9 +364,11 @@ def _train_learner(
             reconnect_timeout=config.consolidation_timeout,
             finish_timeout=config.training_timeout + config.consolidation_timeout,
         )
-        with crew.lock:
-            crew.learners[learner_id] = learner
+        if not crew.enlist(learner_id, learner):
+            return
         while not learner.budget_reached:
+            if crew.stopping.is_set():
+                return  # closed under us: the next step would only fail
             if learner.final_ready:
                 raise ClosureFailed("the cutoff syncer finished its rounds before the budget")
             x, y = sample_batch(corpus.train, config.batch_size, model.context, generator)
@@ -503,6 +542,7 @@ def run_closure(config: BenchConfig, say: Callable[[str], None] = print) -> Clos
     finally:
         for syncer in syncers:
             syncer.stop()
+        crew.join(LEARNER_STOP_GRACE_S)  # they all ended already when the closure completed
     return ClosureResult(
         budget=config.budget,
         cutoff_step=cutoff_step,
