@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import TypeAlias
+from typing import NoReturn, TypeAlias
 
 from yeto_proto.errors import ProtocolError
 
 from . import bench_closure, checkpoint_cli, launch
-from .process_control import divert_closed_stdout
+from .process_control import divert_closed_stdout, exit_process
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -66,5 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
 
 
+def entry() -> NoReturn:
+    """The ``yeto`` program (its console script, ``python -m yeto_learn.cli``): run
+    :func:`main` and end the process with its status. Tests call :func:`main` in-process."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -3,18 +3,22 @@
 ``yeto launch`` and ``yeto bench`` share it: the first SIGINT, SIGTERM or SIGHUP becomes a
 :class:`Stopped` exception in the main thread, so the command stops its children and prints its
 last line, and a child started with :func:`parent_death_signal` is sent SIGTERM if the command
-dies without that chance (Linux).
+dies without that chance (Linux). :func:`exit_process` ends the ``yeto`` process with the code
+its command returned, even when a thread that may be inside torch outlived the command.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import NoReturn
 
 
 @functools.cache
@@ -93,3 +97,32 @@ def divert_closed_stdout() -> None:
         os.dup2(null, sys.stdout.fileno())
     finally:
         os.close(null)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with ``code``, the exit status a command returned (never in-process).
+
+    Normally through ``sys.exit``. But while a daemon thread is still alive in a process that
+    loaded torch, the interpreter must not finalize: CPython (before 3.14) ends such a thread
+    with ``pthread_exit`` when it next takes the GIL, and inside a torch op that released the
+    GIL that unwinds through a C++ destructor, so the C++ runtime aborts the whole process
+    ("terminate called without an active exception", SIGABRT) after the command printed its
+    last line. ``yeto bench`` waits only so long for its learner threads: one still importing
+    torch, or still dialing a syncer that was stopped, outlives that wait.
+
+    Then the process leaves with ``os._exit`` once stdout, stderr and the logging handlers are
+    flushed. Nothing is lost by that: the command returned, so its children were stopped and
+    waited for and its files were written and closed (every artifact goes through an atomic
+    rename: whole or absent); a daemon thread never runs again after that point, so it could
+    not have finished anything either. What is skipped is the rest of the finalization: the
+    atexit handlers (logging's is run here) and the C++ static destructors, the very ones
+    that abort. Non-daemon threads, which the interpreter waits for, keep the normal exit.
+    """
+    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    if "torch" in sys.modules and others and all(t.daemon for t in others):
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)
