@@ -14,6 +14,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -65,6 +66,27 @@ def test_step_needs_a_token_count() -> None:
     # let a whole run train for nothing.
     with pytest.raises(TypeError):
         Learner.step(object.__new__(Learner))  # type: ignore[call-arg]
+
+
+def test_close_from_another_thread_ends_a_waiting_finish(tmp_path: Path) -> None:
+    failures: list[BaseException] = []
+
+    def finish() -> None:
+        try:
+            learner.finish(timeout=60)
+        except BaseException as exc:
+            failures.append(exc)
+
+    with one_learner(tmp_path, 1000) as (syncer, model, learner):
+        train_steps(learner, model, 2)
+        waiting = threading.Thread(target=finish)
+        waiting.start()
+        time.sleep(0.3)  # finish() is waiting for a final cut this syncer is far from
+        learner.close()
+        waiting.join(5)
+        assert not waiting.is_alive(), "finish() waited on after close()"
+    assert len(failures) == 1 and isinstance(failures[0], LearnerError), failures
+    assert "close() was called" in str(failures[0])
 
 
 def test_a_replaced_parameter_is_refused_at_the_next_check(tmp_path: Path) -> None:

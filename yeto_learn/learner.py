@@ -570,7 +570,10 @@ class Learner:
             self._calls.release()
 
     def close(self) -> None:
-        """Stop the network client without finalizing (e.g. on an error in the training loop)."""
+        """Stop the network client without finalizing (e.g. on an error in the training loop).
+
+        A ``finish()`` waiting in another thread then raises :class:`LearnerError` at once.
+        """
         self._finished = True
         self._close_client()
 
@@ -630,6 +633,8 @@ class Learner:
             error: BaseException | None = None
             if self.is_leader:
                 try:
+                    if self._client_closed:  # by close() from another thread: nothing will come
+                        raise LearnerError("close() was called while this learner waited")
                     left = deadline - time.monotonic()
                     if done():
                         plan = Plan(PlanStatus.DONE)
