@@ -241,6 +241,20 @@ def test_data_hello_without_group_gets_unknown_group_after_ten_seconds() -> None
     run(scenario)
 
 
+def test_a_stream_index_no_group_can_have_is_refused_without_waiting_for_the_group() -> None:
+    # A group has at most 256 data streams (indices 0..255): conformance data_hello.json tcId 5.
+    async def scenario() -> None:
+        syncer = new_syncer(AdmitAll())
+        hopeless, possible = syncer.connect(), syncer.connect()
+        hopeless.send(DataHello(2, 3, 256))
+        possible.send(DataHello(2, 3, 255))  # may still belong to a group of 256 streams
+        await syncer.settle()
+        assert error_code(hopeless) == "BAD_STREAM_INDEX"
+        assert not possible.hung_up
+
+    run(scenario)
+
+
 def test_data_sockets_waiting_for_a_group_that_fails_its_admission_are_refused_at_once() -> None:
     """The HELLO lifted their deadline; bytes behind it that fail close the group at admission."""
 

@@ -59,7 +59,7 @@ from yeto_proto import (
     WireDtype,
     encode,
 )
-from yeto_proto.constants import ERROR_TEXT_LIMIT, STRIPED_TYPES
+from yeto_proto.constants import ERROR_TEXT_LIMIT, MAX_STREAMS, STRIPED_TYPES
 from yeto_proto.frames import Buffers, frame_length
 
 from ..events import (
@@ -649,6 +649,11 @@ class ConnectionGroups:
                 waiting.deadline = None
             self.events.append(HelloReceived(sock.conn, message))
         elif isinstance(message, DataHello):
+            if message.stream_idx >= MAX_STREAMS:  # no group can have it: refuse without waiting
+                raise RemoteProtocolError(
+                    ErrorCode.BAD_STREAM_INDEX,
+                    f"stream_idx {message.stream_idx} outside any group (at most {MAX_STREAMS})",
+                )
             sock.claim = message
             key = _claimed(message)
             group = self._groups.get(key)
