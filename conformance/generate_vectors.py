@@ -75,6 +75,7 @@ TESTS_PER_GROUP = 100  # group g numbers its tests from 100·g + 1, so appending
 
 FLAG_NOTES = {
     "Boundary": "A field at the edge of its range (0, the maximum, or a limit exactly).",
+    "Budget": "A BUDGET_DONE report was accepted before (spec/closure.md § 3).",
     "CheckOrder": "Several faults at once: the pinned order of checks decides the code.",
     "ClosedGroups": "Groups of earlier accepted HELLOs closed before this HELLO arrived; the "
     "session and the generations admitted outlive them.",
@@ -86,6 +87,7 @@ FLAG_NOTES = {
     "Direction": "A frame type the peer may not send in this direction.",
     "ExactSize": "A frame type whose payload size is exact.",
     "FirstFrame": "The first frame on a socket must be HELLO or DATA_HELLO within 16 MiB.",
+    "Grace": "quorum < M: the K-th response opens a grace window (spec/syncer.md § 4, § 5).",
     "Frozen": "A learner that reported its budget (spec/learner.md § 10): frozen parameters, "
     "anchors that die with the group.",
     "HeaderOnly": "The error is decided by the 13-byte header; no payload byte may be read or "
@@ -4004,6 +4006,10 @@ def admission_file() -> Json:
 #: The syncer push_acceptance.json runs against: two learners, quorum 2 (so an attempt's K is
 #: always its member count and no grace window opens), pipeline 2, --max-base-lag 2.
 PUSH_SYNCER = Profile(learners=2, total_steps=1000, quorum=2, max_base_lag=2)
+#: The same syncer with --learner-budget-steps 100, for the BUDGET_DONE rules.
+BUDGET_SYNCER = replace(PUSH_SYNCER, learner_budget_steps=100)
+#: The same with quorum 1 < M: an attempt's K-th response opens a grace window.
+GRACE_SYNCER = replace(PUSH_SYNCER, quorum=1)
 #: Its session: S_F32's layout (F = 2: avg [4, 1] and rda [3]), HELLOs without data streams.
 PUSH_NUMELS = S_F32.numels
 
@@ -4017,9 +4023,10 @@ def frame_event(learner_id: int, generation: int, built: bytes) -> Json:
     return {"event": "frame", "id": learner_id, "generation": generation, "hex": built.hex()}
 
 
-def init_event(fragment_id: int) -> Json:
+def init_event(fragment_id: int, generation: int = 1) -> Json:
+    """Learner 0's INIT of ``fragment_id`` from its generation ``generation``."""
     data = S_F32.bulk(fragment_id, f"push acceptance: INIT of fragment {fragment_id}")
-    return frame_event(0, 1, init_params(fragment_id, data)[0])
+    return frame_event(0, generation, init_params(fragment_id, data)[0])
 
 
 def acceptance_push(
@@ -4072,7 +4079,12 @@ def deadline_event(step: int) -> Json:
 
 def commit(step: int) -> list[Json]:
     """Both first generations answer round ``step``, completing it."""
-    return [push_event(0, 1, step), push_event(1, 1, step)]
+    return commit_based(step, 0)
+
+
+def commit_based(step: int, base: int) -> list[Json]:
+    """Both first generations answer round ``step`` with ``base_version`` ``base``."""
+    return [push_event(0, 1, step, base=base), push_event(1, 1, step, base=base)]
 
 
 #: Learners 0 and 1 (generation 1) connect and learner 0 initializes both fragments: the session
@@ -4369,6 +4381,152 @@ def push_acceptance_file() -> Json:
             "NaN",
             code="NON_FINITE_VALUE",
         ),
+        acceptance(
+            "learner 0 initialized every fragment, but learner 1 never connected: the session "
+            "has not started, so round 1 was never launched",
+            [member_hello(0, 1), init_event(0), init_event(1)],
+            (0, 1),
+            acceptance_push(0, 1, 1),
+            "rejected",
+            "Normal",
+            code="PUSH_OUT_OF_ROUND",
+        ),
+        acceptance(
+            "round 2 is complete but round 1 is not: nothing commits, so round 3 was never "
+            "launched",
+            [*START, *commit(2)],
+            (0, 1),
+            acceptance_push(0, 1, 3),
+            "rejected",
+            "Pipeline",
+            code="PUSH_OUT_OF_ROUND",
+        ),
+        acceptance(
+            "round 2 completed first, then round 1: both commit in one event and rounds 3 and 4 "
+            "launch; round 3 (fragment 0) launched at fragment 0's version 1, not at "
+            "global_step 2",
+            [*START, *commit(2), *commit(1)],
+            (0, 1),
+            acceptance_push(0, 1, 3, base=2),
+            "rejected",
+            "Pipeline",
+            code="PUSH_FUTURE_BASE",
+        ),
+        acceptance(
+            "round 4 (fragment 1) launched at version 2 when round 2 committed; round 3 has since "
+            "committed (global_step 3); base_version 0: staleness is 2 - 0, not 3 - 0",
+            [*START, *commit(1), *commit(2), *commit_based(3, 1)],
+            (1, 1),
+            acceptance_push(1, 1, 4),
+            "accepted",
+            "Boundary",
+            staleness=2,
+        ),
+        acceptance(
+            "attempt 1 of round 1 was discarded at its quorum deadline with both learners "
+            "connected: attempt 2 launched at once, and takes an answer",
+            [*START, deadline_event(1)],
+            (0, 1),
+            acceptance_push(0, 1, 1, attempt=2),
+            "accepted",
+            "Retry",
+            staleness=0,
+        ),
+        acceptance(
+            "learner 0 answered attempt 1 of round 1, which was then discarded: its response "
+            "went with it, so its answer to attempt 2 is no duplicate",
+            [*START, push_event(0, 1, 1), deadline_event(1)],
+            (0, 1),
+            acceptance_push(0, 1, 1, attempt=2),
+            "accepted",
+            "Retry",
+            staleness=0,
+        ),
+        acceptance(
+            "learner 0 connected as generation 5 (which initialized), then as generation 3: "
+            "generation 3, admitted later, is current and round 3 captures it",
+            [
+                member_hello(0, 5),
+                member_hello(1, 1),
+                init_event(0, 5),
+                init_event(1, 5),
+                member_hello(0, 3),
+                push_event(0, 5, 1),
+                push_event(1, 1, 1),
+            ],
+            (0, 3),
+            acceptance_push(0, 3, 3),
+            "accepted",
+            "NewGeneration",
+            staleness=1,
+        ),
+        acceptance(
+            "generation 2 of learner 0 superseded generation 1 and then closed: learner 0 has no "
+            "current generation, so round 3 captured only learner 1; generation 1 pushes for it",
+            [*START, member_hello(0, 2), close_event(0, 2), *commit(1)],
+            (0, 1),
+            acceptance_push(0, 1, 3),
+            "rejected",
+            "NewGeneration",
+            code="PUSH_WRONG_GENERATION",
+        ),
+    ]
+    pipeline_3 = [
+        acceptance(
+            "--pipeline 3 with F = 2 fragments: D = min(3, F) = 2, so round 3 was never launched",
+            START,
+            (0, 1),
+            acceptance_push(0, 1, 3),
+            "rejected",
+            "Pipeline",
+            code="PUSH_OUT_OF_ROUND",
+        ),
+    ]
+    budgeted = [
+        acceptance(
+            "learner 0's BUDGET_DONE was accepted: it cancelled rounds 1 and 2, so learner 1's "
+            "PUSH for round 1 is out of round",
+            [*START, frame_event(0, 1, budget_done(100)[0])],
+            (1, 1),
+            acceptance_push(1, 1, 1),
+            "rejected",
+            "Budget",
+            code="PUSH_OUT_OF_ROUND",
+        ),
+    ]
+    graced = [
+        acceptance(
+            "quorum 1: learner 0's answer reached K and opened a grace window (no step-time "
+            "estimate yet: --grace-ms, 1 s), which is still open; learner 1 answers within it",
+            [*START, push_event(0, 1, 1)],
+            (1, 1),
+            acceptance_push(1, 1, 1),
+            "accepted",
+            "Grace",
+            staleness=0,
+        ),
+        acceptance(
+            "quorum 1, the grace window open; the quorum deadline passed after K was reached and "
+            "changed nothing",
+            [*START, push_event(0, 1, 1), deadline_event(1)],
+            (1, 1),
+            acceptance_push(1, 1, 1),
+            "accepted",
+            "Grace",
+            staleness=0,
+        ),
+    ]
+    no_grace = [
+        acceptance(
+            "quorum 1 and --grace-ms 0: learner 0's answer reached K, the window is 0, so round 1 "
+            "completed at once",
+            [*START, push_event(0, 1, 1)],
+            (1, 1),
+            acceptance_push(1, 1, 1),
+            "rejected",
+            "Grace",
+            code="PUSH_OUT_OF_ROUND",
+        ),
     ]
     return vector_file(
         "push_acceptance",
@@ -4379,7 +4537,13 @@ def push_acceptance_file() -> Json:
             "rejected with code (dropped, a push_rejected tape line, the connection stays open),",
             "or fatal with code (ERROR on the sender's group, which closes). Time stands still.",
         ],
-        [push_acceptance_group(PUSH_SYNCER, tests)],
+        [
+            push_acceptance_group(PUSH_SYNCER, tests),
+            push_acceptance_group(replace(PUSH_SYNCER, pipeline=3), pipeline_3),
+            push_acceptance_group(BUDGET_SYNCER, budgeted),
+            push_acceptance_group(GRACE_SYNCER, graced),
+            push_acceptance_group(replace(GRACE_SYNCER, grace_ms=0), no_grace),
+        ],
     )
 
 
@@ -4392,9 +4556,6 @@ def push_acceptance_group(syncer: Profile, tests: list[Json]) -> Json:
 
 
 # -- syncer session rules ------------------------------------------------------------------------
-
-#: The same syncer with --learner-budget-steps 100, for the BUDGET_DONE rules.
-BUDGET_SYNCER = replace(PUSH_SYNCER, learner_budget_steps=100)
 
 
 def session_init(fragment_id: int, seed: str, *, nan: bool = False) -> bytes:
