@@ -86,6 +86,7 @@ FLAG_NOTES = {
     "Deferred": "A pending pull that is not answerable yet (spec/learner.md § 5 item 2).",
     "Direction": "A frame type the peer may not send in this direction.",
     "ExactSize": "A frame type whose payload size is exact.",
+    "Final": "The final cut was taken (spec/syncer.md § 12).",
     "FirstFrame": "The first frame on a socket must be HELLO or DATA_HELLO within 16 MiB.",
     "Grace": "quorum < M: the K-th response opens a grace window (spec/syncer.md § 4, § 5).",
     "Frozen": "A learner that reported its budget (spec/learner.md § 10): frozen parameters, "
@@ -4716,6 +4717,23 @@ def syncer_session_file() -> Json:
             "Boundary",
             code="BUDGET_NOT_CONFIGURED",
         ),
+        session_test(
+            "group (1, 1) sends a HEARTBEAT naming learner 0",
+            START,
+            (1, 1),
+            heartbeat(0, 5)[0],
+            "fatal",
+            "Normal",
+            code="LEARNER_ID_MISMATCH",
+        ),
+        session_test(
+            "group (1, 1) sends a HEARTBEAT naming learner 1: a step-time report, nothing more",
+            START,
+            (1, 1),
+            heartbeat(1, 5)[0],
+            "ignored",
+            "Normal",
+        ),
     ]
     budgeted = [
         session_test(
@@ -4737,16 +4755,52 @@ def syncer_session_file() -> Json:
             code="DUPLICATE_BUDGET_DONE",
         ),
     ]
+    final_cut = [*START, *commit(1), *commit(2)]
+    finalizing = [
+        session_test(
+            "rounds 1 and 2 committed and the final cut was taken at step 2 (--total-steps 2); "
+            "learner 0 acknowledges step 1",
+            final_cut,
+            (0, 1),
+            final_ack(1)[0],
+            "fatal",
+            "Final",
+            code="UNEXPECTED_FINAL_ACK",
+        ),
+        session_test(
+            "the final cut was taken at step 2; learner 0 acknowledges step 3",
+            final_cut,
+            (0, 1),
+            final_ack(3)[0],
+            "fatal",
+            "Final",
+            code="UNEXPECTED_FINAL_ACK",
+        ),
+        session_test(
+            "the final cut was taken at step 2 and learner 1 acknowledged it; learner 0's ACK "
+            "for step 2 is the last one awaited",
+            [*final_cut, frame_event(1, 1, final_ack(2)[0])],
+            (0, 1),
+            final_ack(2)[0],
+            "finalized",
+            "Final",
+        ),
+    ]
     return vector_file(
         "syncer_session",
         [
             "Syncer session rules (spec/syncer.md § 1, § 12; spec/closure.md § 2): a syncer with",
             "the context's settings runs the script's events in order (every one is handled",
             "normally, as in push_acceptance.json), then receives frame from sender: accepted",
-            "(it takes effect), ignored (nothing changes), or fatal with code (ERROR on the",
+            "(it takes effect), ignored (nothing changes), finalized (the last FINAL_ACK awaited:",
+            "SHUTDOWN to every group whose ACK stands, exit 0), or fatal with code (ERROR on the",
             "sender's group, which closes). Time stands still.",
         ],
-        [syncer_session_group(PUSH_SYNCER, rules), syncer_session_group(BUDGET_SYNCER, budgeted)],
+        [
+            syncer_session_group(PUSH_SYNCER, rules),
+            syncer_session_group(BUDGET_SYNCER, budgeted),
+            syncer_session_group(replace(PUSH_SYNCER, total_steps=2), finalizing),
+        ],
     )
 
 

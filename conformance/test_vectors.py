@@ -54,6 +54,7 @@ from yeto_proto import (
     FinalFragment,
     FinalManifest,
     FrameDecoder,
+    FrameType,
     Heartbeat,
     Hello,
     InitParams,
@@ -1083,7 +1084,8 @@ def held_fragments(coordinator: Coordinator) -> list[tuple[int, bytes | None, by
 @params(cases("SyncerSessionTest"))
 def test_syncer_session(case: Case) -> None:
     """Run ``script`` through the coordinator, then ``frame`` from ``sender``: accepted (it
-    takes effect), ignored (nothing changes), or fatal ``code`` (the sender's group closes)."""
+    takes effect), ignored (nothing changes), finalized (the last FINAL_ACK: SHUTDOWN, exit 0),
+    or fatal ``code`` (the sender's group closes)."""
     coordinator, sender, message = scripted_case(case, "frame")
     before = held_fragments(coordinator)
     actions = coordinator.handle(MessageReceived(sender, message), 0.0)
@@ -1091,6 +1093,20 @@ def test_syncer_session(case: Case) -> None:
         assert_closed_with(coordinator, actions, sender, case.code)
         assert not any(isinstance(a, AppendTape | Exit) for a in actions), actions
         assert held_fragments(coordinator) == before, "a refused frame changes no fragment"
+        return
+    if case.result == "finalized":
+        assert isinstance(message, FinalAck), "finalized vectors are FINAL_ACKs"
+        assert not any(isinstance(a, CloseGroup | AppendTape) for a in actions), actions
+        assert held_fragments(coordinator) == before, "an ACK changes no fragment"
+        acked = {sender} | {
+            GroupKey(e["id"], e["generation"])
+            for e in case.test["script"]
+            if e["event"] == "frame" and bytes.fromhex(e["hex"])[4] == FrameType.FINAL_ACK
+        }
+        sends = [a for a in actions if isinstance(a, Send)]
+        assert all(isinstance(a.message, Shutdown) for a in sends), actions
+        assert sorted(a.group for a in sends) == sorted(acked), actions
+        assert [a.code for a in actions if isinstance(a, Exit)] == [0], actions
         return
     assert not any(isinstance(a, CloseGroup | Exit) for a in actions), actions
     assert coordinator.registry.is_open(sender), "the connection stays open"
