@@ -93,6 +93,8 @@ FLAG_NOTES = {
     "anchors that die with the group.",
     "HeaderOnly": "The error is decided by the 13-byte header; no payload byte may be read or "
     "allocated first.",
+    "GroupCap": "A learner id keeps at most 4 groups open; a fifth closes its oldest other "
+    "group without ERROR (spec/syncer.md § 9).",
     "HelloMac": "HELLO authentication: HMAC-SHA256 over the domain string and the body.",
     "HugeLength": "A declared length of 2^62 bytes or more.",
     "IntegerOverflow": "Arithmetic that wraps in 64-bit unsigned integers if done naively.",
@@ -109,6 +111,7 @@ FLAG_NOTES = {
     "ProfileHash": "HELLO carries the optional 32-byte syncer profile hash.",
     "Reconnect": "The connection group drops and the learner redials with a new generation "
     "(spec/learner.md § 8).",
+    "RefusedBefore": "HELLOs refused before this one; a refused HELLO fixes and records nothing.",
     "Replay": "A version the learner holds again, or an older one: idempotent or dropped.",
     "Retry": "A quorum deadline discarded an attempt before the PUSH arrived.",
     "Rounding": "A value that is not exactly representable; pins the rounding rule.",
@@ -3582,9 +3585,14 @@ def admission(
     code: str | None,
     *flags: str,
     closed: Sequence[int] = (),
+    refused_before: Sequence[tuple[HelloFields, str]] = (),
+    evicts: Sequence[int] = (),
 ) -> Json:
-    """``accepted`` HELLOs are admitted in order (groups ``closed`` close after them), then
-    ``hello`` is admitted (``code`` None) or refused with ``code``."""
+    """``accepted`` HELLOs are admitted in order (groups ``closed`` close after them), each of
+    ``refused_before`` is refused with its code, then ``hello`` is admitted (``code`` None),
+    closing the groups of ``accepted`` listed in ``evicts`` without ERROR, or refused with
+    ``code``."""
+    assert not evicts or code is None
     test: Json = {
         "comment": comment,
         "flags": list(flags),
@@ -3596,6 +3604,12 @@ def admission(
         test["code"] = code
     if closed:
         test["closed"] = list(closed)
+    if refused_before:
+        test["refused_before"] = [
+            {"hello": frame(HELLO, h.payload()).hex(), "code": c} for h, c in refused_before
+        ]
+    if evicts:
+        test["evicts"] = list(evicts)
     return test
 
 
@@ -3910,6 +3924,45 @@ def admission_file() -> Json:
             "SESSION_DTYPE_MISMATCH",
             "ClosedGroups",
             closed=[1, 0],
+        ),
+        admission(
+            "learner 0's generation 7 was refused for its bf16 dtype: a refused HELLO records no "
+            "generation, so generation 7 in f32 is admitted",
+            [f32(1, 1)],
+            f32(0, 7),
+            None,
+            "RefusedBefore",
+            refused_before=[(f32(0, 7, dtype=BF16), "SESSION_DTYPE_MISMATCH")],
+        ),
+        admission(
+            "the first HELLO, learner_id 4 = M, was refused: it fixed no session, so a bf16 "
+            "HELLO is admitted and fixes it",
+            [],
+            f32(0, 1, dtype=BF16),
+            None,
+            "RefusedBefore",
+            refused_before=[(f32(4, 1), "LEARNER_ID_OUT_OF_RANGE")],
+        ),
+        admission(
+            "learner 0's generations 1 to 4 are open; admitting generation 5 makes five, so the "
+            "syncer closes the oldest, generation 1, without ERROR",
+            [first, f32(0, 2), f32(0, 3), f32(0, 4)],
+            f32(0, 5),
+            None,
+            "GroupCap",
+            "NewGeneration",
+            evicts=[0],
+        ),
+        admission(
+            "learner 0's generations 1 to 4 were admitted and generation 2 closed: generation 5 "
+            "makes four open groups, and none is closed",
+            [first, f32(0, 2), f32(0, 3), f32(0, 4)],
+            f32(0, 5),
+            None,
+            "ClosedGroups",
+            "GroupCap",
+            "NewGeneration",
+            closed=[1],
         ),
     ]
     bound_tests = [

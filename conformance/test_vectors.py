@@ -869,9 +869,25 @@ def refusal_code(actions: list[Action], conn: ConnId) -> str | None:
     return code
 
 
+def admit_or_refuse(
+    coordinator: Coordinator, conn: ConnId, frame: bytes, num_learners: int
+) -> list[Action]:
+    """``frame`` as the first frame of socket ``conn``, handed to the coordinator."""
+    hello = decode_first_hello(frame, None)
+    actions = coordinator.handle(HelloReceived(conn, hello), 1.0)
+    # A frame decoder that knows M may refuse learner_id >= M itself (spec/wire.md § 5.2): then
+    # with the coordinator's code.
+    strict = Run(Context(Role.SYNCER, True, None, None, num_learners, None))
+    strict.feed(frame)
+    if strict.error is not None:
+        assert strict.error.code.value == refusal_code(actions, conn), (strict.error, actions)
+    return actions
+
+
 @params(cases("HelloAdmissionTest"))
 def test_hello_admission(case: Case) -> None:
-    """Admit ``accepted`` in order, close ``closed``, then ``hello``: admitted or refused."""
+    """Admit ``accepted`` in order, close ``closed``, refuse ``refused_before``, then
+    ``hello``: admitted (closing the groups of ``evicts``) or refused."""
     assert case.settings is not None
     num_learners = case.settings["num_learners"]
     coordinator = Coordinator(syncer_config(case.settings))
@@ -891,18 +907,20 @@ def test_hello_admission(case: Case) -> None:
     for index in case.test.get("closed", []):
         coordinator.handle(GroupClosed(keys[index], "closed by the vector"), 0.0)
         assert not coordinator.registry.is_open(keys[index])
+    conn = len(keys)
+    for refused in case.test.get("refused_before", []):
+        conn += 1
+        session_before = coordinator.session
+        actions = admit_or_refuse(coordinator, conn, bytes.fromhex(refused["hello"]), num_learners)
+        assert refusal_code(actions, conn) == refused["code"], actions
+        assert not any(isinstance(a, AdmitGroup | CloseGroup) for a in actions), actions
+        assert coordinator.session == session_before, "a refused HELLO fixes nothing"
     session_before = coordinator.session
 
-    frame = bytes.fromhex(case.test["hello"])
-    conn = len(keys) + 1
-    # A frame decoder that knows M may refuse learner_id >= M itself (spec/wire.md § 5.2).
-    strict = Run(Context(Role.SYNCER, True, None, None, num_learners, None))
-    strict.feed(frame)
-    if strict.error is not None:
-        assert case.result == "refused" and strict.error.code.value == case.code, strict.error
-    hello = decode_first_hello(frame, None)
+    conn += 1
+    actions = admit_or_refuse(coordinator, conn, bytes.fromhex(case.test["hello"]), num_learners)
+    hello = decode_first_hello(bytes.fromhex(case.test["hello"]), None)
     key = GroupKey(hello.learner_id, hello.generation)
-    actions = coordinator.handle(HelloReceived(conn, hello), 1.0)
     admits = [a for a in actions if isinstance(a, AdmitGroup)]
     if case.result == "admitted":
         assert refusal_code(actions, conn) is None, actions
@@ -914,6 +932,10 @@ def test_hello_admission(case: Case) -> None:
         assert coordinator.registry.is_open(key)
         if session_before is not None:
             assert session == session_before, "a later HELLO never changes the session"
+        evicted = [keys[i] for i in case.test.get("evicts", [])]
+        closes = [a for a in actions if isinstance(a, CloseGroup)]
+        assert closes == [CloseGroup(k, None) for k in evicted], "closed without ERROR"
+        assert not any(coordinator.registry.is_open(k) for k in evicted)
         return
     assert refusal_code(actions, conn) == case.code, actions
     assert not admits and not any(isinstance(a, CloseGroup) for a in actions), actions
