@@ -82,7 +82,8 @@ FLAG_NOTES = {
     "CountBeyondPayload": "A count promises more bytes than the payload holds; it must be "
     "rejected before anything is allocated for it.",
     "DecoderMayDefer": "The frame is well formed; the named code is raised by the session, the "
-    "reassembler or the dtype codec rather than necessarily by the frame decoder.",
+    "reassembler or the dtype codec rather than necessarily by the frame decoder (for INIT and "
+    "PUSH values never by the syncer's frame decoder: they are judged after the frame).",
     "Deferred": "A pending pull that is not answerable yet (spec/learner.md § 5 item 2).",
     "Direction": "A frame type the peer may not send in this direction.",
     "ExactSize": "A frame type whose payload size is exact.",

@@ -4,8 +4,9 @@ This is the file a third party ports to their language; ``spec/conformance.md`` 
 same steps in prose. For every frame vector the decoder named by the group's ``context`` is fed
 the frame three ways — whole, one byte at a time, and followed by the start of another frame —
 and must produce exactly the ``decoded`` message (valid) or raise exactly the named ``code``
-(invalid); ``acceptable`` allows either of the two. Valid frames must also re-encode to the same
-bytes, and a valid frame cut short must read as "need more data" until the stream ends.
+(invalid); ``acceptable`` allows either of the two (INIT and PUSH values: only ``decoded``,
+the code being the codec's, checked on the decoded tensor). Valid frames must also re-encode to
+the same bytes, and a valid frame cut short must read as "need more data" until the stream ends.
 
 Run with ``pytest conformance/``.
 """
@@ -80,7 +81,14 @@ from yeto_proto import (
 )
 from yeto_proto.checkpoint import load_layout
 from yeto_proto.constants import FINALIZATION_REVISION
-from yeto_proto.dtypes import bf16_to_f32, f32_to_bf16, q4_decode, q4_encode
+from yeto_proto.dtypes import (
+    all_finite,
+    bf16_to_f32,
+    decode_tensor,
+    f32_to_bf16,
+    q4_decode,
+    q4_encode,
+)
 from yeto_proto.errors import CheckpointError
 from yeto_sync.config import SyncerConfig
 from yeto_sync.coordinator import Coordinator
@@ -457,7 +465,8 @@ class Run:
 
 
 def check_outcome(case: Case, messages: list[AnyMessage], error: ProtocolError | None) -> None:
-    """valid: exactly ``decoded``; invalid: exactly ``code``; acceptable: one of the two."""
+    """valid: exactly ``decoded``; invalid: exactly ``code``; acceptable: one of the two, except
+    that INIT and PUSH values are judged after the frame (spec/syncer.md § 6): ``decoded``."""
     decoded_ok = error is None and [message_json(m) for m in messages] == [case.test.get("decoded")]
     failed_ok = error is not None and not messages and error.code.value == case.test.get("code")
     if case.result == "valid":
@@ -467,8 +476,17 @@ def check_outcome(case: Case, messages: list[AnyMessage], error: ProtocolError |
         assert not messages, f"invalid frame decoded to {messages!r}"
         assert error is not None, "invalid frame raised nothing"
         assert error.code.value == case.code, f"raised {error.code.value}, expected {case.code}"
+    elif case.test["decoded"]["type"] in VALUES_JUDGED_LATER:
+        assert decoded_ok, (
+            f"acceptable {case.test['decoded']['type']}: got {messages!r} / {error!r}"
+        )
     else:
         assert decoded_ok or failed_ok, f"acceptable frame: got {messages!r} / {error!r}"
+
+
+#: Frame types whose acceptable vectors the syncer's decoder must return: their values are
+#: judged by the coordinator after the round or fragment checks (spec/syncer.md § 1, § 6).
+VALUES_JUDGED_LATER = ("INIT_PARAMS", "PUSH_FRAGMENT")
 
 
 # -- the vector files themselves -----------------------------------------------------------------
@@ -827,6 +845,34 @@ def test_budget_done_refused_by_the_coordinator(case: Case) -> None:
     assert len(closes) == 1 and closes[0].group == key, actions
     assert closes[0].error is not None
     assert closes[0].error.text.split(":", 1)[0] == case.code
+
+
+@params(
+    [
+        c
+        for c in FRAME_CASES
+        if c.result == "acceptable" and c.test["decoded"]["type"] in VALUES_JUDGED_LATER
+    ]
+)
+def test_acceptable_values_are_refused_by_the_codec(case: Case) -> None:
+    """INIT and PUSH values: the syncer's decoder returns the message (the coordinator judges it
+    before its values, spec/syncer.md § 1 item 2 and § 6); decoding the tensor in the session
+    dtype raises ``code`` or, for NON_FINITE_VALUE, yields a value that is not finite."""
+    assert case.context is not None and case.context.limits is not None
+    run = Run(case.context)
+    run.feed(case.frame)
+    check_outcome(case, run.messages, run.error)
+    [message] = run.messages
+    assert isinstance(message, InitParams | PushFragment)
+    push = isinstance(message, PushFragment)
+    limits = case.context.limits
+    numel = limits.numels[message.fragment_id]
+    try:
+        values = decode_tensor(message.data, limits.dtype, numel, push=push)
+    except ProtocolError as error:
+        assert error.code.value == case.code
+        return
+    assert case.code == "NON_FINITE_VALUE" and not all_finite(values)
 
 
 # -- session admission ---------------------------------------------------------------------------
