@@ -279,6 +279,19 @@ def test_sigterm_keeps_the_last_checkpoint_and_resume_finishes_the_run(tmp_path:
     assert read_checkpoint(checkpoint).global_step == 2
     assert failures  # the learner saw its syncer go away
 
+    # Stopped before it writes a checkpoint of its own, a resumed syncer names the one it
+    # resumed from (it said "no checkpoint was written"); SIGHUP, as from a closed terminal,
+    # stops it like SIGTERM.
+    with Daemon(*flags, "--resume") as idle:
+        idle.signal(signal.SIGHUP)
+        assert idle.wait(15) == 128 + signal.SIGHUP
+    last = idle.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"yeto-sync: stopped by SIGHUP; the checkpoint it resumed from, {checkpoint} at "
+        "global_step 2"
+    ), idle.stderr
+    assert read_checkpoint(checkpoint).global_step == 2
+
     with Daemon(*flags, "--resume") as second:
         learner = ScriptedLearner(
             LearnerGroup(second.address, SPEC, learner_id=0, generation=2, num_streams=1)

@@ -4,8 +4,8 @@ Once the listener is bound it prints exactly one line, ``yeto-sync listening on 
 stdout (with ``--port 0``, the port the system chose). Structured ``key=value`` log lines go to
 stderr. Exit status: 0 after a completed finalization (or a benchmark cutoff); 2 for bad flags,
 an unreadable key or checkpoint, or an existing checkpoint without ``--resume``; otherwise the
-coordinator's failure code (1), or 128 + the signal number after SIGINT/SIGTERM. The last stderr
-line always says why the syncer stopped and which checkpoint (path and global step) it kept.
+coordinator's failure code (1), or 128 + the signal number after SIGINT/SIGTERM/SIGHUP. The last
+stderr line always says why the syncer stopped and which checkpoint (path and global step) it kept.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from yeto_proto.identity import DeltaCorrection, LearnerWeight, hello_key_of_fil
 
 from .config import DEFAULT_HOST, DEFAULT_PORT, SyncerConfig
 from .coordinator import Coordinator
-from .driver import Driver, KeyValueLog, Outputs
+from .driver import Driver, DurableCheckpoint, KeyValueLog, Outputs
 from .events import Exit
 from .iso import IsoPoolSettings, IsoWorkerPool
 from .merge import MergeError
@@ -305,8 +305,13 @@ def load_resume_checkpoint(config: SyncerConfig) -> Checkpoint | None:
     return checkpoint
 
 
+#: Each stops the daemon the same way; SIGHUP is what closing the terminal (or ssh session) that
+#: runs it in the foreground sends.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 class _Interrupted(BaseException):
-    """SIGINT or SIGTERM outside the event loop's own signal handling."""
+    """A stop signal outside the event loop's own signal handling."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -319,7 +324,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def _set_signal_handlers(handler: Callable[[int, object], None] | signal.Handlers) -> None:
     if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in STOP_SIGNALS:
             signal.signal(signum, handler)
 
 
@@ -341,7 +346,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _start_and_serve(args)
     except _Interrupted as interrupted:
         name = signal.Signals(interrupted.signum).name
-        print(f"{PROG}: {name} while starting; no checkpoint written", file=sys.stderr)
+        if args.resume and args.checkpoint_path is not None:
+            kept = f"the checkpoint to resume, {args.checkpoint_path}, is unchanged"
+        else:
+            kept = "no checkpoint written"
+        print(f"{PROG}: {name} while starting; {kept}", file=sys.stderr)
         return 128 + interrupted.signum
 
 
@@ -371,7 +380,16 @@ def _start_and_serve(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     serving: list[Driver] = []  # the driver, once the daemon serves
     try:
-        exit_action, kept = anyio.run(_serve, config, coordinator, hello_key, iso_pool, serving)
+        resumed = (
+            None
+            if checkpoint is None or config.checkpoint_path is None
+            else DurableCheckpoint(
+                config.checkpoint_path, checkpoint.global_step, final=False, resumed=True
+            )
+        )
+        exit_action, kept = anyio.run(
+            _serve, config, coordinator, hello_key, iso_pool, serving, resumed
+        )
     except OSError as exc:
         print(
             f"{PROG}: error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
@@ -450,6 +468,7 @@ async def _serve(
     hello_key: bytes | None,
     iso_pool: IsoWorkerPool | None = None,
     serving: list[Driver] | None = None,
+    resumed: DurableCheckpoint | None = None,
 ) -> tuple[Exit, str]:
     log = KeyValueLog(sys.stderr)
     clock = MonotonicClock()
@@ -470,6 +489,7 @@ async def _serve(
             iso_pool=iso_pool,
             stream_broadcasts=True,
         )
+        driver.last_checkpoint = resumed  # until this run writes one
         if serving is not None:
             serving.append(driver)
         async with anyio.create_task_group() as tasks:
@@ -499,13 +519,13 @@ async def _serve(
 async def _stop_on_signal(
     driver: Driver, log: KeyValueLog, *, task_status: anyio.abc.TaskStatus[None]
 ) -> None:
-    """The first SIGINT/SIGTERM stops the driver; later ones only say it is stopping.
+    """The first stop signal stops the driver; later ones only say it is stopping.
 
     The receiver stays open until the daemon is done: a second signal must not kill it with
     the default action while it finishes a checkpoint write or flushes its queues.
     """
     try:
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+        with anyio.open_signal_receiver(*STOP_SIGNALS) as received:
             task_status.started()
             stopping = False
             async for signum in received:
@@ -527,6 +547,8 @@ def _kept_state(driver: Driver) -> str:
     kept = driver.last_checkpoint
     if kept is None:
         return "no checkpoint was written"
+    if kept.resumed:
+        return f"the checkpoint it resumed from, {kept.path} at global_step {kept.global_step}"
     if kept.recovery:
         kind = "recovery checkpoint (unmarked: not a final cut)"
     elif kept.final:

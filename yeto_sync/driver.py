@@ -154,6 +154,8 @@ class DurableCheckpoint:
     global_step: int
     final: bool
     recovery: bool = False
+    #: The ``--resume`` checkpoint, which this run has not replaced yet.
+    resumed: bool = False
 
 
 class Driver:
