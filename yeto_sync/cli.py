@@ -58,6 +58,16 @@ class BadInput(Exception):
     """A startup problem the operator must fix; its text is the one stderr line."""
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it has none or its help already says what happens."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.required or "default" in text:
+            return text
+        return super()._get_help_string(action) or text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -65,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
             "The YETO v4 syncer: owns the global model and the outer optimizer, pulls fragment "
             "deltas from M learners, merges them and broadcasts the result."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
         allow_abbrev=False,  # exactly the pinned flags: `--res` is not `--resume`
     )
     net = parser.add_argument_group("listener")
@@ -79,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help=(
             "require HELLOs authenticated with HMAC-SHA256 under the key in this file (its raw "
-            f"bytes, one trailing newline removed); default: the environment variable "
+            "bytes, without one trailing line ending); default: the environment variable "
             f"{HMAC_KEY_ENV} (UTF-8) if set, else no authentication"
         ),
     )
@@ -118,12 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
     rounds.add_argument(
         "--max-base-lag",
         type=int,
-        help="reject PUSHes whose base version is more than this many versions stale",
+        help=(
+            "reject PUSHes whose base version is more than this many versions stale "
+            "(default: no limit)"
+        ),
     )
     rounds.add_argument(
         "--learner-budget-steps",
         type=int,
-        help="benchmark cutoff: the learner step budget B (1..2^32-1) every learner also received",
+        help=(
+            "benchmark cutoff: the learner step budget B (1..2^32-1) every learner also "
+            "received (default: none, no cutoff)"
+        ),
     )
     rounds.add_argument(
         "--require-profile-binding",
