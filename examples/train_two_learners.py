@@ -2,11 +2,11 @@
 
 Start a syncer first, for example::
 
-    yeto-sync --learners 2 --total-steps 40 --sync-interval-steps 4
+    .venv/bin/yeto-sync --learners 2 --total-steps 40 --sync-interval-steps 4
 
 then run this script with the address it printed::
 
-    python examples/train_two_learners.py 127.0.0.1:29400
+    .venv/bin/python examples/train_two_learners.py 127.0.0.1:29400
 
 Each learner is an ordinary torch training loop with three added lines: build the
 ``Learner``, call ``learner.step()`` after every optimizer step, and ``learner.finish()`` at the
@@ -48,7 +48,7 @@ def train(syncer: str, learner_id: int, losses: dict[int, float]) -> None:
         optimizer.zero_grad()
         learner.step(tokens=len(inputs))
     learner.finish()
-    losses[learner_id] = float(loss)
+    losses[learner_id] = loss.item()
 
 
 def main(argv: list[str]) -> int:
