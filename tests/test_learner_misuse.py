@@ -24,7 +24,7 @@ import pytest
 import torch
 from syncer_process import REPO, SyncerProcess, child_env, free_port, running_syncer
 
-from yeto_learn import FinishTimeout, Learner, LearnerError, SyncerUnreachable
+from yeto_learn import FinishTimeout, Learner, LearnerError, SyncerRefused, SyncerUnreachable
 from yeto_learn.learner import RUN_ID_FILE
 
 
@@ -144,6 +144,16 @@ def test_a_learner_that_never_started_may_be_started_again(tmp_path: Path) -> No
             Learner(small_model(), syncer=f"127.0.0.1:{free_port()}", learner_id=0,
                     num_learners=2, fragments=2, **options)  # fmt: skip
     assert not (out / RUN_ID_FILE).exists()
+
+
+def test_a_signed_hello_refused_by_a_syncer_without_the_key_says_so(tmp_path: Path) -> None:
+    # The syncer misreads the MAC as HELLO fields: its own error says nothing about keys.
+    with pytest.raises(SyncerRefused, match="signs its HELLO with a key") as refused:
+        with one_learner(tmp_path, 2, hello_key="a shared secret") as (syncer, model, learner):
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                train_steps(learner, model, 1)
+    assert "HELLO authentication failed" not in str(refused.value)
 
 
 def test_a_text_hello_key_is_its_utf8_bytes(tmp_path: Path) -> None:

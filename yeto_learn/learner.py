@@ -742,11 +742,22 @@ class Learner:
             effects = session.receive(item.message)
         except ProtocolError as exc:
             if isinstance(item.message, ErrorMessage):
-                raise SyncerRefused(self.syncer_address, item.message.text) from None
+                raise self._refused(item.message.text) from None
             raise SyncerProtocolViolation(self.syncer_address, exc) from None
         if isinstance(item.message, BcastFragment):
             self._global_step = max(self._global_step, item.message.version)
         return [a for effect in effects if (a := self._carry_out(effect)) is not None]
+
+    def _refused(self, text: str) -> SyncerRefused:
+        signed = self._client is not None and self._client.config.hello_key is not None
+        if signed and not self._applied and not text.startswith("HELLO authentication failed"):
+            # A syncer without the key reads the MAC as part of the HELLO and refuses it for
+            # whatever that breaks (TOO_MANY_STREAMS, a bad tail, …), never for the key.
+            text += (
+                " (this learner signs its HELLO with a key: was the syncer started with the "
+                "same --hello-hmac-key-file or YETO_ISLAND_HMAC_KEY?)"
+            )
+        return SyncerRefused(self.syncer_address, text)
 
     def _carry_out(self, effect: Effect) -> Apply | None:
         match effect:
@@ -762,7 +773,7 @@ class Learner:
             case SendMessage():
                 self._send(effect.message)
             case SyncerFailed():
-                raise SyncerRefused(self.syncer_address, effect.text)
+                raise self._refused(effect.text)
             case ShutdownReceived():
                 self._shutdown = True
             case AnchorRecorded():
