@@ -88,6 +88,36 @@ def test_launch_pacing_by_the_slowest_step_time() -> None:
     assert sim.timers[LAUNCH_TIMER] == pytest.approx(1.0 + 0.8)
 
 
+def test_a_waiting_launch_is_measured_again_when_the_estimates_change() -> None:
+    # spec/syncer.md § 3: the conditions are checked again after every event that may change
+    # them. Same start as above; then b reports that it is slower than a was (0.2 s per step).
+    sim = Sim(SyncerConfig(learners=2, total_steps=9, pipeline=3), LAYOUT3)
+    a, b = sim.learner(0, auto=False), sim.learner(1, auto=False)
+    a.connect()
+    b.connect()
+    a.heartbeat(0)
+    b.heartbeat(0)
+    sim.advance(1.0)
+    a.heartbeat(10)
+    b.heartbeat(20)
+    a.init_all([np.zeros(f.numel, np.float32) for f in LAYOUT3.fragments])
+    assert sim.timers[LAUNCH_TIMER] == pytest.approx(1.8)
+
+    sim.advance(0.1)
+    a.heartbeat(30)  # 20 steps in 0.1 s: a's estimate 0.5·0.005 + 0.5·0.1 = 0.0525 s
+    # ξ_step = max(0.0525, b's 0.05) → interval 24 · 0.0525 / 3 = 0.42 s after the launch at 1.0
+    assert sim.timers[LAUNCH_TIMER] == pytest.approx(1.42)
+    sim.advance(0.32)
+    assert pulls(sim, a.key)[-1] == (2, 1, 1)
+
+    # The slowest learner leaving shortens the wait too: b gets slower, then drops.
+    sim.advance(0.01)
+    b.heartbeat(21)  # 1 step in 0.43 s: b's estimate 0.5·0.43 + 0.5·0.05 = 0.24 s
+    assert sim.timers[LAUNCH_TIMER] == pytest.approx(1.42 + 24 * 0.24 / 3)
+    b.disconnect()
+    assert sim.timers[LAUNCH_TIMER] == pytest.approx(1.42 + 24 * 0.0525 / 3)
+
+
 # -- quorum, completion, grace -------------------------------------------------------------------
 def test_k_is_min_of_quorum_and_captured_members() -> None:
     sim = Sim(SyncerConfig(learners=2, total_steps=3, quorum=5), LAYOUT3)

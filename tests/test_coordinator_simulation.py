@@ -364,6 +364,9 @@ class Oracle:
         self.next_step = 1
         self.rounds: dict[int, ORound] = {}
         self.last_launch: float | None = None
+        #: When the launch timer will fire for a round waiting for its pacing interval: while
+        #: one waits, every change of the estimates or of the connected learners re-checks it.
+        self.launch_timer: float | None = None
         self.last_sync = 0.0
         self.final: OFinal | None = None
         self.exit: Exit | None = None
@@ -454,6 +457,8 @@ class Oracle:
             if isinstance(a, Send) and isinstance(a.message, PullReq)
         ]
         self.timer_sets = {a.key: a.at for a in actions if isinstance(a, SetTimer)}
+        if event == TimerFired("launch"):
+            self.launch_timer = None
         match event:
             case HelloReceived(conn=conn, hello=hello):
                 self.on_hello(conn, hello)
@@ -519,6 +524,7 @@ class Oracle:
             if self.final is not None:
                 self.bump("closed_after_cut")
             self.finish_if_delivered()
+            self.recheck_pacing()  # the slowest learner may have left
 
     def on_message(self, key: GroupKey, message: AnyMessage) -> None:
         if key not in self.groups:
@@ -537,6 +543,7 @@ class Oracle:
             case Heartbeat(local_step=local_step):
                 if self.current.get(key.learner_id) == key:
                     self.observe(key.learner_id, local_step, self.now)
+                    self.recheck_pacing()
             case PushFragment():
                 self.on_push(key, message)
             case FinalAck():
@@ -566,6 +573,7 @@ class Oracle:
     def on_push(self, key: GroupKey, push: PushFragment) -> None:
         if self.current.get(key.learner_id) == key:
             self.observe(key.learner_id, push.local_step, self.now)
+            self.recheck_pacing()
         code = self.verdict(key, push)
         if code is not None:
             self.bump(f"rejected:{code.value}")
@@ -842,6 +850,13 @@ class Oracle:
             }
         )
 
+    def recheck_pacing(self) -> None:
+        if self.launch_timer is not None:
+            launched = self.next_step
+            self.launch()
+            if self.next_step > launched:
+                self.bump("launched_on_recheck")
+
     def launch_blocker(self) -> str | None:
         """Why no round may launch now (spec § 3), or None."""
         if not self.started or self.final is not None:
@@ -886,6 +901,7 @@ class Oracle:
             self.rounds[step] = target
             self.next_step += 1
             self.last_launch = self.now
+            self.launch_timer = None
             self.bump("launched")
             self.issue_pulls(target)
         blocker = self.launch_blocker()
@@ -1007,11 +1023,22 @@ class Oracle:
         self.check_writes()
         # timers this event must have set
         for key, at in self.exp_timers.items():
+            if key == "launch" and key not in self.timer_sets and self.launch_timer is not None:
+                # Already waiting for that moment: the coordinator does not set it again.
+                check(
+                    abs(self.launch_timer - at) <= TOL,
+                    f"launch timer at {self.launch_timer}, expected {at}",
+                )
+                continue
             check(key in self.timer_sets, f"timer {key} not set (expected at {at})")
             check(
                 abs(self.timer_sets[key] - at) <= TOL,
                 f"timer {key} at {self.timer_sets[key]}, expected {at}",
             )
+        if "launch" in self.timer_sets:
+            self.launch_timer = self.timer_sets["launch"]
+        if CancelTimer("launch") in actions:
+            self.launch_timer = None
         # exit
         exits = [a for a in actions if isinstance(a, Exit)]
         if self.exp_exit is None:
@@ -1627,6 +1654,7 @@ def test_the_schedules_reach_the_paths_they_are_meant_to_check() -> None:
         "discarded",
         "grace_opened",
         "init_ignored",
+        "launched_on_recheck",
         "reack_awaited",
         "rejected:PUSH_DUPLICATE",
         "rejected:PUSH_FUTURE_BASE",

@@ -185,6 +185,8 @@ class Coordinator:
         #: Launched, not yet committed rounds, in ascending t.
         self._rounds: dict[int, Round] = {}
         self._last_launch_at: float | None = None
+        #: When the launch timer is set to fire (a round waits for its pacing interval).
+        self._launch_due: float | None = None
         #: ξ_sync: the previous commit's time from completion to commit.
         self._last_sync_s = 0.0
         self._bcasts: dict[int, BcastFragment] = {}
@@ -252,7 +254,7 @@ class Coordinator:
             case MessageReceived(group=group, message=message, tensor_finite=finite):
                 self._on_message(group, message, finite, now, out)
             case GroupClosed(group=group, reason=reason):
-                self._on_group_closed(group, reason, out)
+                self._on_group_closed(group, reason, now, out)
             case TimerFired(key=key):
                 self._on_timer(key, now, out)
         return out
@@ -371,7 +373,7 @@ class Coordinator:
             out.append(Log("info", "final cut queued", _member_fields(key)))
         self._advance(now, out)
 
-    def _on_group_closed(self, key: GroupKey, reason: str, out: list[Action]) -> None:
+    def _on_group_closed(self, key: GroupKey, reason: str, now: float, out: list[Action]) -> None:
         if self._registry.get(key) is None:
             return
         was_current = self._registry.remove(key)
@@ -384,6 +386,7 @@ class Coordinator:
         )
         if was_current:
             self._finish_if_delivered(out)  # its missing re-ACK no longer holds the cut up
+            self._recheck_pacing(now, out)  # the slowest learner may have left
 
     # -- messages --------------------------------------------------------------------------
     def _on_message(
@@ -466,6 +469,7 @@ class Coordinator:
             return
         if self._registry.is_current(key):
             self._step_times.observe(key.learner_id, beat.local_step, now)
+            self._recheck_pacing(now, out)
 
     def _on_push(
         self,
@@ -483,6 +487,7 @@ class Coordinator:
             return
         if self._registry.is_current(key):
             self._step_times.observe(key.learner_id, push.local_step, now)
+            self._recheck_pacing(now, out)
         target = self._rounds.get(push.global_step)
         rejection = (
             Rejection(ErrorCode.PUSH_OUT_OF_ROUND, f"no round {push.global_step} is in flight")
@@ -626,6 +631,7 @@ class Coordinator:
     def _cancel_rounds(self, out: list[Action]) -> None:
         """The first report: no more launches; every uncommitted round is cancelled whole."""
         out.append(CancelTimer(LAUNCH_TIMER))
+        self._launch_due = None
         for cancelled in self._rounds.values():
             out.append(CancelTimer(_round_timer("quorum", cancelled.step, cancelled.attempt)))
             out.append(CancelTimer(_round_timer("grace", cancelled.step, cancelled.attempt)))
@@ -682,6 +688,7 @@ class Coordinator:
     def _on_timer(self, key: str, now: float, out: list[Action]) -> None:
         kind, _, rest = key.partition(":")
         if kind == LAUNCH_TIMER:
+            self._launch_due = None
             self._advance(now, out)
             return
         if kind == FINAL_ACK_TIMER:
@@ -765,6 +772,12 @@ class Coordinator:
             )
         )
 
+    def _recheck_pacing(self, now: float, out: list[Action]) -> None:
+        """A launch waiting for its pacing interval, after the step-time estimates or the
+        connected learners changed: the interval is measured again (spec/syncer.md § 3)."""
+        if self._launch_due is not None:
+            self._launch_rounds(now, out)
+
     def _launch_rounds(self, now: float, out: list[Action]) -> None:
         if not self._started or self._final is not None or self._issuance_closed:
             return
@@ -780,8 +793,11 @@ class Coordinator:
                     self.config, slowest, model.num_fragments
                 )
                 if now < due:
-                    out.append(SetTimer(LAUNCH_TIMER, due))
+                    if due != self._launch_due:
+                        out.append(SetTimer(LAUNCH_TIMER, due))
+                        self._launch_due = due
                     return
+            self._launch_due = None
             step = self._next_step
             fragment = target_fragment(step, model.num_fragments)
             launched = Round.launch(
