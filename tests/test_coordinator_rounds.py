@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sim import Sim, avg_layout
+from sim import ScriptedLearner, Sim, avg_layout
 
 from yeto_proto.constants import WireDtype
 from yeto_proto.dtypes import encode_tensor
@@ -71,26 +71,11 @@ def test_launch_pacing_by_min_round_interval() -> None:
     assert LAUNCH_TIMER not in sim.timers  # depth 3 reached: nothing to wait for
 
 
-def test_launch_pacing_by_the_slowest_step_time() -> None:
-    # H = 24, F = 3, ξ_step = 0.1 s (10 steps in 1 s) → interval 0.8 s.
-    sim = Sim(SyncerConfig(learners=2, total_steps=9, pipeline=3), LAYOUT3)
-    a, b = sim.learner(0, auto=False), sim.learner(1, auto=False)
-    a.connect()
-    b.connect()
-    a.heartbeat(0)
-    b.heartbeat(0)
-    sim.advance(1.0)
-    a.heartbeat(10)
-    b.heartbeat(20)  # faster: 0.05 s per step
-    a.init_all([np.zeros(f.numel, np.float32) for f in LAYOUT3.fragments])
+def paced_pair() -> tuple[Sim, ScriptedLearner, ScriptedLearner]:
+    """Two learners with step-time estimates, round 1 launched at t = 1.0, round 2 paced.
 
-    assert pulls(sim, a.key) == [(1, 0, 1)]
-    assert sim.timers[LAUNCH_TIMER] == pytest.approx(1.0 + 0.8)
-
-
-def test_a_waiting_launch_is_measured_again_when_the_estimates_change() -> None:
-    # spec/syncer.md § 3: the conditions are checked again after every event that may change
-    # them. Same start as above; then b reports that it is slower than a was (0.2 s per step).
+    H = 24, F = 3, ξ_step = 0.1 s (a: 10 steps in 1 s; b: 20, 0.05 s) → interval 0.8 s.
+    """
     sim = Sim(SyncerConfig(learners=2, total_steps=9, pipeline=3), LAYOUT3)
     a, b = sim.learner(0, auto=False), sim.learner(1, auto=False)
     a.connect()
@@ -101,7 +86,19 @@ def test_a_waiting_launch_is_measured_again_when_the_estimates_change() -> None:
     a.heartbeat(10)
     b.heartbeat(20)
     a.init_all([np.zeros(f.numel, np.float32) for f in LAYOUT3.fragments])
-    assert sim.timers[LAUNCH_TIMER] == pytest.approx(1.8)
+    return sim, a, b
+
+
+def test_launch_pacing_by_the_slowest_step_time() -> None:
+    sim, a, _ = paced_pair()
+    assert pulls(sim, a.key) == [(1, 0, 1)]
+    assert sim.timers[LAUNCH_TIMER] == pytest.approx(1.0 + 0.8)
+
+
+def test_a_waiting_launch_is_measured_again_when_the_estimates_change() -> None:
+    # spec/syncer.md § 3: the conditions are checked again after every event that may change
+    # them; the launch timer was set with the estimates of round 1's launch.
+    sim, a, b = paced_pair()
 
     sim.advance(0.1)
     a.heartbeat(30)  # 20 steps in 0.1 s: a's estimate 0.5·0.005 + 0.5·0.1 = 0.0525 s
