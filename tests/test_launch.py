@@ -20,6 +20,7 @@ import pytest
 import torch
 from syncer_process import REPO, child_env
 
+from yeto_learn import cli
 from yeto_proto import Layout
 from yeto_proto.checkpoint import is_marked_final, read_checkpoint
 
@@ -191,3 +192,21 @@ def test_a_learner_stopped_by_sigterm_unwinds_and_says_what_it_kept(tmp_path: Pa
     assert learner.returncode == 128 + signal.SIGTERM, errors
     assert errors.splitlines()[-1] == "learner 0: stopped by SIGTERM; no artifact was written"
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+# -- the command line, checked before anything starts ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["launch"], ["bench"], ["checkpoint", "inspect", "x.yeto"]],
+    ids=["launch", "bench", "checkpoint-inspect"],
+)
+def test_an_unknown_option_shows_the_subcommands_usage(
+    capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    assert cli.main([*command, "--bogus"]) == 2
+    err = capsys.readouterr().err
+    prog = " ".join(["yeto", *command[:2]]) if command[0] == "checkpoint" else f"yeto {command[0]}"
+    assert err.startswith(f"usage: {prog} "), err
+    assert err.strip().splitlines()[-1] == f"{prog}: error: unrecognized arguments: --bogus"

@@ -46,10 +46,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def chosen_parser(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.ArgumentParser:
+    """The (sub)command's own parser that ``args`` came from: ``yeto checkpoint inspect``'s."""
+    while True:
+        commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, commands[0].dest, None) if commands else None
+        if name is None or name not in commands[0].choices:
+            return parser
+        parser = commands[0].choices[name]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # argparse would report them with the top-level usage, not the command's
+            chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as exc:  # argparse exits on --help (0) and usage errors (2)
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     handler: Callable[[argparse.Namespace], int] = args.handler
