@@ -238,6 +238,26 @@ def test_an_output_directory_that_cannot_be_made_is_one_line_and_exit_2(
     assert err.count("\n") == 1 and "--out" in err and "Traceback" not in err
 
 
+def test_a_closed_stdout_does_not_stop_the_bench(tmp_path: Path) -> None:
+    """`yeto bench | head -1`: once stdout's reader is gone, its lines go to stderr."""
+    out = tmp_path / "piped"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the first line already finds no reader
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "yeto_learn.cli", "bench", "--out", str(out),
+             "--budget", "20", "--fragments", "2", "--batch-size", "8"],
+            cwd=REPO, env=child_env(), stdout=write_end, stderr=subprocess.PIPE, text=True,
+            timeout=120,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "Broken pipe" not in result.stderr
+    assert "tape check ok" in result.stderr.strip().splitlines()[-1]
+    assert (out / EXPORT_FILE).is_file()
+
+
 def test_sigterm_stops_the_bench_and_its_syncer(tmp_path: Path) -> None:
     out = tmp_path / "stopped"
     syncers: list[int] = []

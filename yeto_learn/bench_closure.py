@@ -16,7 +16,9 @@ One command runs what spec/closure.md describes:
 It prints the budget, C, F, the tape check and the export path. Exit status: 0 when the closure
 completed and was exported, 1 when any step of it failed (nothing is exported), 2 for bad flags
 or an output directory that cannot be made, 128 + n when signal n (SIGINT, SIGTERM, SIGHUP)
-stopped it: its syncers are stopped first, and a syncer outlives no bench (Linux).
+stopped it: its syncers are stopped first, and a syncer outlives no bench (Linux). If nobody
+reads its stdout any more (``yeto bench | head -1``), the closure goes on and its lines go to
+stderr.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from yeto_proto.errors import ProtocolError
 from .artifact_files import LAYOUT_FILE
 from .demo_shapes import byte_model_shapes
 from .model_layout import most_fragments
-from .process_control import Stopped, parent_death_signal, signals_raise
+from .process_control import Stopped, parent_death_signal, say, signals_raise
 
 if TYPE_CHECKING:
     from .cli import Commands
@@ -662,7 +664,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     try:
         with signals_raise(args.command_prog):
-            result = run_closure(config)
+            result = run_closure(config, say=say)  # stdout's reader may go away: it goes on
     except ClosureFailed as exc:
         print(f"{args.command_prog}: closure failed, nothing exported: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -676,7 +678,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 128 + stop.signum
-    print(
+    say(
         f"budget B={result.budget}  C={result.cutoff_step}  F={result.fragments}  "
         f"final step {result.final_step}  tape check ok  export {result.export_path}  "
         f"({result.seconds:.1f} s)"

@@ -33,7 +33,7 @@ from yeto_proto.checkpoint import write_bytes_atomically
 from .artifact_files import LAYOUT_FILE, STATE_FILE
 from .demo_shapes import byte_model_shapes
 from .model_layout import most_fragments
-from .process_control import Stopped, divert_closed_stdout, parent_death_signal, signals_raise
+from .process_control import Stopped, parent_death_signal, say, signals_raise
 
 if TYPE_CHECKING:
     from .cli import Commands
@@ -363,26 +363,6 @@ def _artifacts_kept(paths: Paths, learners: int) -> str:
         return "every learner's artifact was written"
     names = ", ".join(f"learner-{i}" for i in written)
     return f"learner artifacts written by {names} only"
-
-
-def say(text: str) -> None:
-    """A line on stdout; once nobody reads stdout any more, on stderr instead.
-
-    A closed stdout (``yeto launch … | head -1``, a dropped ssh pipe) must not abort training:
-    the run goes on, and its status lines go to stderr from then on.
-    """
-    global _stdout_gone
-    if not _stdout_gone:
-        try:
-            print(text, flush=True)
-            return
-        except BrokenPipeError:
-            _stdout_gone = True
-            divert_closed_stdout()
-    print(text, file=sys.stderr, flush=True)
-
-
-_stdout_gone = False
 
 
 def _syncer_kept(paths: Paths) -> str:

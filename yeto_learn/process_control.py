@@ -5,6 +5,7 @@
 last line, and a child started with :func:`parent_death_signal` is sent SIGTERM if the command
 dies without that chance (Linux). :func:`exit_process` ends the ``yeto`` process with the code
 its command returned, even when a thread that may be inside torch outlived the command.
+:func:`say` prints their status lines, on stderr once nobody reads stdout.
 """
 
 from __future__ import annotations
@@ -97,6 +98,26 @@ def divert_closed_stdout() -> None:
         os.dup2(null, sys.stdout.fileno())
     finally:
         os.close(null)
+
+
+def say(text: str) -> None:
+    """A line on stdout; once nobody reads stdout any more, on stderr instead.
+
+    A closed stdout (``yeto launch … | head -1``, a dropped ssh pipe) must not abort a run:
+    it goes on, and its status lines go to stderr from then on.
+    """
+    global _stdout_gone
+    if not _stdout_gone:
+        try:
+            print(text, flush=True)
+            return
+        except BrokenPipeError:
+            _stdout_gone = True
+            divert_closed_stdout()
+    print(text, file=sys.stderr, flush=True)
+
+
+_stdout_gone = False
 
 
 def exit_process(code: int) -> NoReturn:
