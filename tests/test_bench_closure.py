@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from syncer_process import REPO, child_env
 
-from yeto_learn import cli
+from yeto_learn import bench_closure, cli
 from yeto_learn.bench_closure import (
     CHECKPOINT_FILE,
     CONSOLIDATION_TAPE,
@@ -198,16 +198,54 @@ def test_a_learner_that_misses_the_restart_fails_the_closure(tmp_path: Path) -> 
     assert not marker_state(out / CHECKPOINT_FILE, cutoff_step).is_final
 
 
-def test_bench_command_exits_nonzero_when_the_closure_fails(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.fixture
+def no_closure(monkeypatch: pytest.MonkeyPatch) -> list[BenchConfig]:
+    """Stands in for the closure: it records its configuration and fails, so a check of the
+    command line never starts a process (and one it let through is seen)."""
+    runs: list[BenchConfig] = []
+
+    def fake(config: BenchConfig, say: object = None) -> None:
+        runs.append(config)
+        raise ClosureFailed("the closure is not run in this test")
+
+    monkeypatch.setattr(bench_closure, "run_closure", fake)
+    return runs
+
+
+def test_bench_command_exits_1_when_the_closure_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_closure: list[BenchConfig]
+) -> None:
+    out = tmp_path / "fresh"
+    assert cli.main(["bench", "--out", str(out)]) == 1
+    assert "nothing exported: the closure is not run" in capsys.readouterr().err
+    assert [config.out for config in no_closure] == [out]
+
+
+def test_an_earlier_benchs_folder_is_refused_up_front(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_closure: list[BenchConfig]
 ) -> None:
     out = tmp_path / "occupied"
     out.mkdir()
     (out / CHECKPOINT_FILE).write_bytes(b"not ours")
 
-    assert cli.main(["bench", "--out", str(out)]) == 1
-    assert "nothing exported" in capsys.readouterr().err
+    assert cli.main(["bench", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(out) in err and "not empty" in err, err
     assert cli.main(["bench", "--out", str(out), "--budget", "0"]) == 2
+    assert not no_closure and (out / CHECKPOINT_FILE).read_bytes() == b"not ours"
+
+
+def test_two_benches_in_one_second_get_folders_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_closure: list[BenchConfig]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    now, strftime = time.localtime(), time.strftime
+    monkeypatch.setattr(time, "strftime", lambda fmt, t=None: strftime(fmt, now))
+    assert cli.main(["bench"]) == 1
+    assert cli.main(["bench"]) == 1
+    first = strftime("yeto-bench-%Y%m%d-%H%M%S", now)
+    assert [c.out.name for c in no_closure] == [first, f"{first}-2"]
+    assert all(c.out.is_dir() and c.out.parent.resolve() == tmp_path.resolve() for c in no_closure)
 
 
 @pytest.mark.parametrize(

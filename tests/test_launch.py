@@ -20,7 +20,7 @@ import pytest
 import torch
 from syncer_process import REPO, child_env
 
-from yeto_learn import cli
+from yeto_learn import cli, launch
 from yeto_proto import Layout
 from yeto_proto.checkpoint import is_marked_final, read_checkpoint
 
@@ -195,6 +195,69 @@ def test_a_learner_stopped_by_sigterm_unwinds_and_says_what_it_kept(tmp_path: Pa
 
 
 # -- the command line, checked before anything starts ---------------------------------------------
+
+
+@pytest.fixture
+def no_run(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Stands in for the run itself: it records the output folder it got and returns 0, so a
+    check of the command line never starts a process (and one it let through is seen)."""
+    runs: list[Path] = []
+
+    def fake(args: object, paths: launch.Paths, children: object, started: float) -> int:
+        runs.append(paths.out)
+        return 0
+
+    monkeypatch.setattr(launch, "_launch", fake)
+    return runs
+
+
+def _one_error_line(err: str, *words: str) -> None:
+    assert err.count("\n") == 1 and err.startswith("yeto launch: error: "), err
+    assert "Traceback" not in err
+    for word in words:
+        assert word in err, err
+
+
+def test_two_runs_in_one_second_get_folders_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_run: list[Path]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    now, strftime = time.localtime(), time.strftime
+    monkeypatch.setattr(time, "strftime", lambda fmt, t=None: strftime(fmt, now))
+    assert cli.main(["launch"]) == 0
+    assert cli.main(["launch"]) == 0
+    assert cli.main(["launch"]) == 0
+    first = no_run[0]
+    assert first.name == strftime("yeto-launch-%Y%m%d-%H%M%S", now)
+    assert [p.name for p in no_run] == [first.name, f"{first.name}-2", f"{first.name}-3"]
+    assert all(p.parent == tmp_path.resolve() for p in no_run)
+
+
+def test_an_output_folder_that_is_not_empty_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_run: list[Path]
+) -> None:
+    out = tmp_path / "earlier"
+    out.mkdir()
+    (out / "notes.txt").write_text("an earlier run's\n")
+    assert cli.main(["launch", "--out", str(out)]) == 2
+    _one_error_line(capsys.readouterr().err, str(out), "not empty")
+    assert not no_run and sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["launch", "--out", str(empty)]) == 0  # an empty folder is fine
+    assert no_run == [empty.resolve()]
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["the-file", "below-the-file"])
+def test_an_output_folder_that_cannot_be_made_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_run: list[Path], below: bool
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = blocker / "out" if below else blocker
+    assert cli.main(["launch", "--out", str(out)]) == 2
+    _one_error_line(capsys.readouterr().err, "--out", str(out))
+    assert not no_run and blocker.read_text() == ""
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,10 @@ One command runs what spec/closure.md describes:
 
 It prints the budget, C, F, the tape check and the export path. Exit status: 0 when the closure
 completed and was exported, 1 when any step of it failed (nothing is exported), 2 for bad flags
-or an output directory that cannot be made, 128 + n when signal n (SIGINT, SIGTERM, SIGHUP)
-stopped it: its syncers are stopped first, and a syncer outlives no bench (Linux). If nobody
-reads its stdout any more (``yeto bench | head -1``), the closure goes on and its lines go to
-stderr.
+or an output directory that cannot be made or is not empty, 128 + n when signal n (SIGINT,
+SIGTERM, SIGHUP) stopped it: its syncers are stopped first, and a syncer outlives no bench
+(Linux). If nobody reads its stdout any more (``yeto bench | head -1``), the closure goes on
+and its lines go to stderr.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -50,6 +50,7 @@ from yeto_proto.checkpoint import (
 from yeto_proto.errors import ProtocolError
 
 from .artifact_files import LAYOUT_FILE
+from .command_options import OutputDirError, make_output_dir
 from .demo_shapes import byte_model_shapes
 from .model_layout import most_fragments
 from .process_control import Stopped, parent_death_signal, say, signals_raise
@@ -639,10 +640,9 @@ def register(commands: Commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = args.out or Path(f"yeto-bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    try:
+    try:  # every flag is checked before the output directory is made
         config = BenchConfig(
-            out=out,
+            out=args.out or Path(),
             learners=args.learners,
             fragments=args.fragments,
             wire_dtype=args.wire_dtype,
@@ -658,9 +658,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.command_prog}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        config.out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        print(f"{args.command_prog}: error: --out {out}: {exc.strerror or exc}", file=sys.stderr)
+        config = replace(config, out=make_output_dir(args.out, "yeto-bench"))
+    except OutputDirError as exc:
+        print(f"{args.command_prog}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         with signals_raise(args.command_prog):

@@ -31,6 +31,7 @@ from yeto_proto import MergeMode
 from yeto_proto.checkpoint import write_bytes_atomically
 
 from .artifact_files import LAYOUT_FILE, STATE_FILE
+from .command_options import OutputDirError, make_output_dir
 from .demo_shapes import byte_model_shapes
 from .model_layout import most_fragments
 from .process_control import Stopped, parent_death_signal, say, signals_raise
@@ -324,15 +325,15 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"yeto launch: error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    out = args.out or Path.cwd() / time.strftime("yeto-launch-%Y%m%d-%H%M%S")
-    paths = Paths(out.resolve())
-    if paths.checkpoint.exists():
-        print(
-            f"yeto launch: error: {paths.checkpoint} exists; choose a fresh --out",
-            file=sys.stderr,
-        )
+    try:
+        paths = Paths(make_output_dir(args.out, "yeto-launch").resolve())
+        paths.syncer_dir.mkdir()
+    except OutputDirError as exc:
+        print(f"yeto launch: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    paths.syncer_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"yeto launch: error: cannot create {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     children: list[Child] = []
     started = time.monotonic()
     with signals_raise("yeto launch"):

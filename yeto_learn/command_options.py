@@ -1,0 +1,63 @@
+"""What ``yeto launch`` and ``yeto bench`` share on their command lines.
+
+:func:`make_output_dir` gives a run an output directory of its own: an explicit ``--out`` must
+be new or empty, and the default ``./PREFIX-YYYYmmdd-HHMMSS`` is created atomically, so two runs
+started in the same second get ``…-HHMMSS`` and ``…-HHMMSS-2`` instead of sharing one.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+#: The default name takes suffixes -2 … -MAX_SUFFIX before giving up.
+MAX_SUFFIX = 1000
+
+
+class OutputDirError(Exception):
+    """The output directory cannot be used; the text is one line naming it and why."""
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def make_output_dir(out: Path | None, prefix: str) -> Path:
+    """Create and return the run's output directory, or raise :class:`OutputDirError`.
+
+    ``out`` (``--out``) may name a new directory (its parents are made too) or an empty one;
+    anything else is refused: a non-empty directory would mix this run's files with an earlier
+    run's. Without ``out``: ``./PREFIX-YYYYmmdd-HHMMSS`` in the working directory, created with
+    ``exist_ok=False``; if another run took that name, ``-2``, ``-3``, … is appended.
+    """
+    if out is None:
+        base = Path.cwd() / time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
+        for n in range(1, MAX_SUFFIX + 1):
+            candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+            try:
+                candidate.mkdir()
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise OutputDirError(f"cannot create {candidate}: {_reason(exc)}") from None
+            return candidate
+        raise OutputDirError(f"{base} and its suffixes up to -{MAX_SUFFIX} exist; choose --out")
+    try:
+        out.mkdir(parents=True)
+        return out
+    except FileExistsError:
+        pass
+    except OSError as exc:  # a parent is a file, no permission, …
+        raise OutputDirError(f"--out {out}: {_reason(exc)}") from None
+    if not out.is_dir():
+        raise OutputDirError(f"--out {out} exists and is not a directory")
+    try:
+        occupied = any(out.iterdir())
+    except OSError as exc:
+        raise OutputDirError(f"--out {out}: {_reason(exc)}") from None
+    if occupied:
+        raise OutputDirError(
+            f"--out {out} exists and is not empty (an earlier run's?); choose a new or empty "
+            "directory"
+        )
+    return out
