@@ -218,6 +218,30 @@ def _one_error_line(err: str, *words: str) -> None:
         assert word in err, err
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--batch-size", "0"], "--batch-size"),
+        (["--batch-size", "-1"], "--batch-size"),
+        (["--port", "70000"], "--port"),
+        (["--port", "-1"], "--port"),
+        (["--sync-interval", "0"], "--sync-interval"),
+    ],
+    ids=["batch-0", "batch-negative", "port-high", "port-negative", "sync-interval-0"],
+)
+def test_bad_numbers_are_refused_before_anything_is_created(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    no_run: list[Path],
+    flags: list[str],
+    named: str,
+) -> None:
+    out = tmp_path / "run"
+    assert cli.main(["launch", "--out", str(out), *flags]) == 2
+    _one_error_line(capsys.readouterr().err, named)
+    assert not no_run and not out.exists()
+
+
 def test_two_runs_in_one_second_get_folders_of_their_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_run: list[Path]
 ) -> None:

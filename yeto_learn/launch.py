@@ -29,6 +29,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from yeto_proto import MergeMode
 from yeto_proto.checkpoint import write_bytes_atomically
+from yeto_proto.constants import MAX_STREAMS
 
 from .artifact_files import LAYOUT_FILE, STATE_FILE
 from .command_options import OutputDirError, make_output_dir
@@ -311,12 +312,16 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"--fragments must be at most {most} for the demo model with --merge {args.merge}"
     if args.steps < 1:
         return "--steps must be at least 1"
-    if not 0 <= args.streams <= 256:
-        return "--streams must be in 0..256"
+    if not 0 <= args.streams <= MAX_STREAMS:
+        return f"--streams must be in 0..{MAX_STREAMS}"
     if not 0.0 <= args.merge_alpha <= 1.0:
         return "--merge-alpha must be in [0, 1]"
-    if args.sync_interval < 1:
+    if args.sync_interval < 1:  # yeto bench's rule too
         return "--sync-interval must be at least 1"
+    if args.batch_size < 1:  # 0 trains nothing: c_tokens 0 weighs every push at zero
+        return "--batch-size must be at least 1"
+    if not 0 <= args.port <= 65535:  # the syncer would refuse it, after the folder was made
+        return "--port must be in 0..65535"
     return None
 
 
