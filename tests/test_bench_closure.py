@@ -255,15 +255,32 @@ def test_two_benches_in_one_second_get_folders_of_their_own(
         ["--consolidation-timeout", "inf"],
         ["--training-timeout", "0"],
         ["--batch-size", "0"],
+        ["--streams", "-1"],
+        ["--streams", "257"],
+        ["--sync-interval", "0"],
+        ["--sync-interval", "nan"],
     ],
-    ids=["nan", "inf", "zero", "no-batch"],
+    ids=[
+        "nan",
+        "inf",
+        "zero",
+        "no-batch",
+        "streams-negative",
+        "streams-high",
+        "sync-0",
+        "sync-nan",
+    ],
 )
 def test_bad_numbers_are_one_line_and_exit_2(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    no_closure: list[BenchConfig],
+    flags: list[str],
 ) -> None:
     assert cli.main(["bench", "--out", str(tmp_path / "b"), *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and flags[0] in err and "must be" in err
+    assert not no_closure and not (tmp_path / "b").exists()
 
 
 def test_an_output_directory_that_cannot_be_made_is_one_line_and_exit_2(

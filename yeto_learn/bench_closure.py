@@ -47,6 +47,7 @@ from yeto_proto.checkpoint import (
     marker_state,
     read_checkpoint,
 )
+from yeto_proto.constants import MAX_STREAMS
 from yeto_proto.errors import ProtocolError
 
 from .artifact_files import LAYOUT_FILE
@@ -119,6 +120,11 @@ class BenchConfig:
             raise ValueError(
                 f"--budget must be in 1..2^32-1 (it travels as c_steps), got {self.budget}"
             )
+        if not 0 <= self.streams <= MAX_STREAMS:
+            raise ValueError(f"--streams must be in 0..{MAX_STREAMS}, got {self.streams}")
+        # yeto launch's rule too: H local steps between a fragment's syncs (the syncer's pacing)
+        if not (math.isfinite(self.sync_interval) and self.sync_interval >= 1):
+            raise ValueError(f"--sync-interval must be at least 1, got {self.sync_interval}")
         if self.wire_dtype not in ("f32", "bf16", "q4"):
             raise ValueError(f"--wire-dtype must be f32, bf16 or q4, got {self.wire_dtype!r}")
         if not 1 <= self.quorum <= self.learners:
