@@ -297,3 +297,42 @@ def test_an_unknown_option_shows_the_subcommands_usage(
     prog = " ".join(["yeto", *command[:2]]) if command[0] == "checkpoint" else f"yeto {command[0]}"
     assert err.startswith(f"usage: {prog} "), err
     assert err.strip().splitlines()[-1] == f"{prog}: error: unrecognized arguments: --bogus"
+
+
+def _help(command: str, capsys: pytest.CaptureFixture[str]) -> dict[str, str]:
+    """Each option's help text, on one line, from ``yeto COMMAND --help`` (80 columns)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("COLUMNS", "80")
+        assert cli.main([command, "--help"]) == 0
+    text = capsys.readouterr().out.split("options:", 1)[1]
+    entries = re.split(r"\n  (?=-)", "\n" + text)
+    helps = {}
+    for entry in entries:
+        if entry.strip():
+            flag, _, rest = entry.strip().partition(" ")
+            helps[flag.rstrip(",")] = " ".join(rest.split())
+    return helps
+
+
+@pytest.mark.parametrize("command", ["launch", "bench"])
+def test_every_option_has_help_and_shows_its_default_once(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    helps = _help(command, capsys)
+    defaults = {"launch": ("q4", "64"), "bench": ("f32", "32")}[command]
+    assert helps["--wire-dtype"].endswith(f"(default: {defaults[0]})")
+    assert helps["--batch-size"].endswith(f"(default: {defaults[1]})")
+    assert len(helps["--wire-dtype"]) > 40 and len(helps["--batch-size"]) > 40  # a help text
+    assert helps["--out"].count("default") == 1, helps["--out"]
+    assert "None" not in helps["--out"] and f"./yeto-{command}-TIME" in helps["--out"]
+    for flag, text in helps.items():
+        assert text.count("(default:") <= 1, (flag, text)
+
+
+def test_steps_help_says_what_it_sets(capsys: pytest.CaptureFixture[str]) -> None:
+    """--steps sets the number of rounds; learners take as many local steps as those last."""
+    steps = _help("launch", capsys)["--steps"]
+    assert "approximately" not in steps
+    assert "steps x fragments / sync-interval rounds" in steps, steps
+    assert "at most 4 x steps" in steps, steps
+    assert launch.total_rounds(3000, 4, 16) == 3000 * 4 // 16

@@ -51,7 +51,15 @@ from yeto_proto.constants import MAX_STREAMS
 from yeto_proto.errors import ProtocolError
 
 from .artifact_files import LAYOUT_FILE
-from .command_options import OutputDirError, make_output_dir
+from .command_options import (
+    BATCH_HELP,
+    SYNC_INTERVAL_HELP,
+    WIRE_HELP,
+    HelpFormatter,
+    OutputDirError,
+    make_output_dir,
+    out_help,
+)
 from .demo_shapes import byte_model_shapes
 from .model_layout import most_fragments
 from .process_control import Stopped, parent_death_signal, say, signals_raise
@@ -620,18 +628,18 @@ def register(commands: Commands) -> None:
             "cutoff checkpoint for F consolidation rounds, check the event tape, and export "
             "the marked final checkpoint to safetensors (spec/closure.md)."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--learners", type=int, default=2, help="M, learners")
     parser.add_argument("--fragments", type=int, default=4, help="F, fragments of the model")
-    parser.add_argument("--wire-dtype", choices=("f32", "bf16", "q4"), default="f32")
+    parser.add_argument(
+        "--wire-dtype", choices=("f32", "bf16", "q4"), default="f32", help=WIRE_HELP
+    )
     parser.add_argument("--budget", type=int, default=200, help="B, local steps per learner")
     parser.add_argument("--streams", type=int, default=1, help="data sockets per learner")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=32, help=BATCH_HELP)
     parser.add_argument("--quorum", type=int, default=1, help="quorum while training")
-    parser.add_argument(
-        "--sync-interval", type=float, default=8.0, help="local steps between syncs of a fragment"
-    )
+    parser.add_argument("--sync-interval", type=float, default=8.0, help=SYNC_INTERVAL_HELP)
     parser.add_argument(
         "--training-timeout", type=float, default=300.0, help="seconds to reach the cutoff"
     )
@@ -641,7 +649,7 @@ def register(commands: Commands) -> None:
         default=120.0,
         help="seconds from the restart to the marked final checkpoint",
     )
-    parser.add_argument("--out", type=Path, help="output directory (default: ./yeto-bench-TIME)")
+    parser.add_argument("--out", type=Path, help=out_help("yeto-bench"))
     parser.set_defaults(handler=run, command_prog=parser.prog)
 
 

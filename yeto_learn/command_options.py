@@ -1,5 +1,7 @@
 """What ``yeto launch`` and ``yeto bench`` share on their command lines.
 
+:class:`HelpFormatter` shows each option's default once: after its help, unless the default is
+None, whose meaning the help text itself says (``--out``'s ``./yeto-launch-TIME``).
 :func:`make_output_dir` gives a run an output directory of its own: an explicit ``--out`` must
 be new or empty, and the default ``./PREFIX-YYYYmmdd-HHMMSS`` is created atomically, so two runs
 started in the same second get ``…-HHMMSS`` and ``…-HHMMSS-2`` instead of sharing one.
@@ -7,11 +9,43 @@ started in the same second get ``…-HHMMSS`` and ``…-HHMMSS-2`` instead of sh
 
 from __future__ import annotations
 
+import argparse
+import textwrap
 import time
 from pathlib import Path
 
+#: Help texts of the options both commands have (each shows its own default after it).
+WIRE_HELP = (
+    "tensor encoding on the wire: f32, bf16, or q4 (4-bit pushes of deltas, bf16 broadcasts; "
+    "the final state always travels as f32)"
+)
+BATCH_HELP = "training examples per local step of each learner (one predicted byte each)"
+SYNC_INTERVAL_HELP = (
+    "H, local steps between two syncs of a fragment (the syncer paces rounds at H x the slowest "
+    "learner's step time / fragments); at least 1"
+)
+
+
+def out_help(prefix: str) -> str:
+    return f"output directory, new or empty (default: ./{prefix}-TIME, -2, -3, … if taken)"
+
+
 #: The default name takes suffixes -2 … -MAX_SUFFIX before giving up.
 MAX_SUFFIX = 1000
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: …)`` after each option's help, but never ``(default: None)``; lines are
+    wrapped at spaces only."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # Never inside ./yeto-launch-TIME or --sync-interval, as argparse's wrapping would.
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 class OutputDirError(Exception):

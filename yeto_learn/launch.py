@@ -32,7 +32,15 @@ from yeto_proto.checkpoint import write_bytes_atomically
 from yeto_proto.constants import MAX_STREAMS
 
 from .artifact_files import LAYOUT_FILE, STATE_FILE
-from .command_options import OutputDirError, make_output_dir
+from .command_options import (
+    BATCH_HELP,
+    SYNC_INTERVAL_HELP,
+    WIRE_HELP,
+    HelpFormatter,
+    OutputDirError,
+    make_output_dir,
+    out_help,
+)
 from .demo_shapes import byte_model_shapes
 from .model_layout import most_fragments
 from .process_control import Stopped, parent_death_signal, say, signals_raise
@@ -60,24 +68,30 @@ def register(commands: Commands) -> None:
             "downloads). The syncer runs --total-steps = steps x fragments / sync-interval "
             "rounds; learners train until its final cut (at most 4 x --steps)."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--learners", type=int, default=2, help="M, learner processes")
     parser.add_argument("--fragments", type=int, default=4, help="fragments of the model")
-    parser.add_argument("--wire-dtype", choices=("f32", "bf16", "q4"), default="q4")
+    parser.add_argument("--wire-dtype", choices=("f32", "bf16", "q4"), default="q4", help=WIRE_HELP)
     parser.add_argument(
-        "--steps", type=int, default=3000, help="local steps per learner (approximately)"
+        "--steps",
+        type=int,
+        default=3000,
+        help=(
+            "run length: the syncer runs steps x fragments / sync-interval rounds (at least "
+            "fragments); learners train until its final cut, usually more than --steps local "
+            "steps each (rounds run slower than their pacing, start-up and the final cut add "
+            "steps), at most 4 x steps"
+        ),
     )
     parser.add_argument(
         "--merge", choices=("avg", "rda", "iso"), default="avg", help="merge mode of matrices"
     )
     parser.add_argument("--merge-alpha", type=float, default=0.5, help="learner blend α")
     parser.add_argument("--streams", type=int, default=4, help="data sockets per learner")
-    parser.add_argument(
-        "--sync-interval", type=int, default=16, help="local steps between syncs of a fragment"
-    )
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--out", type=Path, help="output directory (default: ./yeto-launch-TIME)")
+    parser.add_argument("--sync-interval", type=int, default=16, help=SYNC_INTERVAL_HELP)
+    parser.add_argument("--batch-size", type=int, default=64, help=BATCH_HELP)
+    parser.add_argument("--out", type=Path, help=out_help("yeto-launch"))
     parser.add_argument("--port", type=int, default=0, help="syncer port (0: any free port)")
     parser.set_defaults(handler=run, command_prog=parser.prog)
 
