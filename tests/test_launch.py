@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -336,3 +337,23 @@ def test_steps_help_says_what_it_sets(capsys: pytest.CaptureFixture[str]) -> Non
     assert "steps x fragments / sync-interval rounds" in steps, steps
     assert "at most 4 x steps" in steps, steps
     assert launch.total_rounds(3000, 4, 16) == 3000 * 4 // 16
+
+
+def test_a_learners_quoted_stderr_leaves_out_traceback_carets(tmp_path: Path) -> None:
+    log = tmp_path / "stderr.log"
+    log.write_text(
+        "Traceback (most recent call last):\n"
+        '  File "/x/demo_model.py", line 270, in _train\n'
+        "    loss = nn.functional.cross_entropy(trained(x).float(), y)\n"
+        "                                       ^^^^^^^^^^\n"
+        '  File "/x/module.py", line 1, in forward\n'
+        "    return self.head(hidden)[:, -1]\n"
+        "           ~~~~~~~~~~~~~~~~~^^^^^^^\n"
+        "RuntimeError: something broke\n"
+    )
+    child = launch.Child("learner-0", cast(Any, None), log)
+    assert child.stderr_tail(3) == [
+        '  File "/x/module.py", line 1, in forward',
+        "    return self.head(hidden)[:, -1]",
+        "RuntimeError: something broke",
+    ]

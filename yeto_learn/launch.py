@@ -104,9 +104,11 @@ class Child:
     stderr_path: Path
 
     def stderr_tail(self, lines: int = 5) -> list[str]:
+        """The last ``lines`` lines of its stderr that say something: no blank lines, and no
+        traceback lines that only point (``~~~^^^``) at the line above."""
         with contextlib.suppress(OSError):
             text = self.stderr_path.read_text(encoding="utf-8", errors="replace")
-            return [line for line in text.splitlines() if line.strip()][-lines:]
+            return [line for line in text.splitlines() if line.strip(" ~^")][-lines:]
         return []
 
 
