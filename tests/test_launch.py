@@ -5,6 +5,7 @@ Output goes to a pipe here, as in CI: it must stay plain text (no terminal escap
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -196,8 +197,6 @@ def test_a_learner_stopped_by_sigterm_unwinds_and_says_what_it_kept(tmp_path: Pa
 
 
 # -- the command line, checked before anything starts ---------------------------------------------
-
-
 @pytest.fixture
 def no_run(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Stands in for the run itself: it records the output folder it got and returns 0, so a
@@ -357,3 +356,36 @@ def test_a_learners_quoted_stderr_leaves_out_traceback_carets(tmp_path: Path) ->
         "    return self.head(hidden)[:, -1]",
         "RuntimeError: something broke",
     ]
+
+
+def _done(learner_id: int, digest: str) -> dict[str, Any]:
+    return {
+        "event": "done", "learner": learner_id, "eval_loss_start": 5.5, "eval_loss_final": 3.0,
+        "train_loss": 3.1, "steps": 100, "tokens": 6400, "rounds": 10, "bytes_sent": 1000,
+        "bytes_received": 2000, "generations": 1, "final_global_step": 40,
+        "params_sha256": digest, "num_params": 1000, "seconds": 1.0,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("learners", [1, 2])
+def test_the_summary_compares_learners_only_when_there_are_several(
+    tmp_path: Path, learners: int
+) -> None:
+    views = [launch.LearnerView(i) for i in range(learners)]
+    for view in views:
+        view.update(_done(view.learner_id, "same"))
+    args = argparse.Namespace(learners=learners, fragments=2, wire_dtype="q4", merge="avg")
+    lines: list[str] = []
+    launch._summary(views, launch.Paths(tmp_path), args, 40, 1.0, emit=lines.append)
+    agree = [line for line in lines if "agree" in line]
+    if learners == 1:
+        assert not agree, lines
+    else:
+        assert agree == ["  learners agree   yes, bit for bit (final parameters)"]
+
+
+@pytest.mark.parametrize(("learners", "said"), [(1, "1 learner,"), (3, "3 learners,")])
+def test_the_first_line_counts_learners_in_words(tmp_path: Path, learners: int, said: str) -> None:
+    args = argparse.Namespace(learners=learners, fragments=2, wire_dtype="q4", merge="avg")
+    line = launch.starting_line(args, "127.0.0.1:5", 40, tmp_path)
+    assert said in line and "2 fragments" in line

@@ -439,11 +439,7 @@ def _launch(args: argparse.Namespace, paths: Paths, children: list[Child], start
     lines: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
     learners: dict[str, Child] = {}
     views = [LearnerView(i) for i in range(args.learners)]
-    say(
-        f"yeto launch: syncer on {address} ({rounds} rounds), {args.learners} learners, "
-        f"{args.fragments} fragments, wire {args.wire_dtype}, merge {args.merge}; "
-        f"output in {paths.out}"
-    )
+    say(starting_line(args, address, rounds, paths.out))
     for i in range(args.learners):
         argv = [
             sys.executable, "-m", "yeto_learn.demo_model",
@@ -487,6 +483,19 @@ def _launch(args: argparse.Namespace, paths: Paths, children: list[Child], start
         return EXIT_FAILED
     _summary(views, paths, args, rounds, time.monotonic() - started)
     return EXIT_OK
+
+
+def counted(count: int, noun: str) -> str:
+    """``1 learner``, ``2 learners``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def starting_line(args: argparse.Namespace, address: str, rounds: int, out: Path) -> str:
+    return (
+        f"yeto launch: syncer on {address} ({counted(rounds, 'round')}), "
+        f"{counted(args.learners, 'learner')}, {counted(args.fragments, 'fragment')}, "
+        f"wire {args.wire_dtype}, merge {args.merge}; output in {out}"
+    )
 
 
 def _await_listening(syncer: Child) -> str | None:
@@ -591,7 +600,10 @@ def _summary(
         "per_learner": done,
     }
     write_bytes_atomically(paths.summary, (json.dumps(record, indent=2) + "\n").encode("utf-8"))
-    emit(f"yeto launch: finished in {elapsed:.1f} s — {rounds} rounds, {steps} local steps")
+    emit(
+        f"yeto launch: finished in {elapsed:.1f} s — {counted(rounds, 'round')}, "
+        f"{counted(steps, 'local step')}"
+    )
     emit(f"  eval loss        {start:.3f} → {final:.3f} ({final - start:+.3f})")
     if args.learners > 1:
         ratio = f"{ring / moved:.1f}× less" if moved else "n/a"
@@ -601,7 +613,8 @@ def _summary(
         )
     else:
         emit(f"  bytes moved      {human_bytes(moved)} (one learner: all-reduce would move none)")
-    emit(f"  learners agree   {'yes, bit for bit' if identical else 'NO'} (final parameters)")
+    if args.learners > 1:  # one learner has nothing to agree with
+        emit(f"  learners agree   {'yes, bit for bit' if identical else 'NO'} (final parameters)")
     emit(f"  checkpoint       {paths.checkpoint} (+ .final marker)")
     emit(f"  final state      {paths.final_state}")
     emit(f"  event tape       {paths.tape}")
