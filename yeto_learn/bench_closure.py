@@ -49,13 +49,13 @@ from yeto_proto.checkpoint import (
 )
 from yeto_proto.constants import MAX_STREAMS
 from yeto_proto.errors import ProtocolError
+from yeto_sync.help_format import HelpFormatter
 
 from .artifact_files import LAYOUT_FILE
 from .command_options import (
     BATCH_HELP,
     SYNC_INTERVAL_HELP,
     WIRE_HELP,
-    HelpFormatter,
     OutputDirError,
     make_output_dir,
     out_help,

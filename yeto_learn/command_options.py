@@ -1,7 +1,5 @@
 """What ``yeto launch`` and ``yeto bench`` share on their command lines.
 
-:class:`HelpFormatter` shows each option's default once: after its help, unless the default is
-None, whose meaning the help text itself says (``--out``'s ``./yeto-launch-TIME``).
 :func:`make_output_dir` gives a run an output directory of its own: an explicit ``--out`` must
 be new or empty, and the default ``./PREFIX-YYYYmmdd-HHMMSS`` is created atomically, so two runs
 started in the same second get ``…-HHMMSS`` and ``…-HHMMSS-2`` instead of sharing one.
@@ -9,8 +7,6 @@ started in the same second get ``…-HHMMSS`` and ``…-HHMMSS-2`` instead of sh
 
 from __future__ import annotations
 
-import argparse
-import textwrap
 import time
 from pathlib import Path
 
@@ -32,20 +28,6 @@ def out_help(prefix: str) -> str:
 
 #: The default name takes suffixes -2 … -MAX_SUFFIX before giving up.
 MAX_SUFFIX = 1000
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``(default: …)`` after each option's help, but never ``(default: None)``; lines are
-    wrapped at spaces only."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None:
-            return action.help
-        return super()._get_help_string(action)
-
-    def _split_lines(self, text: str, width: int) -> list[str]:
-        # Never inside ./yeto-launch-TIME or --sync-interval, as argparse's wrapping would.
-        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 class OutputDirError(Exception):

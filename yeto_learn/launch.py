@@ -30,13 +30,13 @@ from typing import IO, TYPE_CHECKING, Any
 from yeto_proto import MergeMode
 from yeto_proto.checkpoint import write_bytes_atomically
 from yeto_proto.constants import MAX_STREAMS
+from yeto_sync.help_format import HelpFormatter
 
 from .artifact_files import LAYOUT_FILE, STATE_FILE
 from .command_options import (
     BATCH_HELP,
     SYNC_INTERVAL_HELP,
     WIRE_HELP,
-    HelpFormatter,
     OutputDirError,
     make_output_dir,
     out_help,

@@ -35,6 +35,7 @@ from .config import DEFAULT_HOST, DEFAULT_PORT, SyncerConfig
 from .coordinator import Coordinator
 from .driver import Driver, DurableCheckpoint, KeyValueLog, Outputs
 from .events import Exit
+from .help_format import HelpFormatter
 from .iso import IsoPoolSettings, IsoWorkerPool
 from .merge import MergeError
 from .transport import MonotonicClock
@@ -58,16 +59,6 @@ class BadInput(Exception):
     """A startup problem the operator must fix; its text is the one stderr line."""
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default unless it has none or its help already says what happens."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default is None or action.required or "default" in text:
-            return text
-        return super()._get_help_string(action) or text
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -75,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
             "The YETO v4 syncer: owns the global model and the outer optimizer, pulls fragment "
             "deltas from M learners, merges them and broadcasts the result."
         ),
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         allow_abbrev=False,  # exactly the pinned flags: `--res` is not `--resume`
     )
     net = parser.add_argument_group("listener")
