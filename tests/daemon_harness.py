@@ -37,12 +37,19 @@ class Daemon:
     """One ``yeto-sync`` process; use as a context manager (it is killed on the way out)."""
 
     def __init__(
-        self, *flags: str, env: dict[str, str] | None = None, nofile: int | None = None
+        self,
+        *flags: str,
+        env: dict[str, str] | None = None,
+        nofile: int | None = None,
+        fsize: int | None = None,
     ) -> None:
-        """``nofile``: the daemon's RLIMIT_NOFILE (soft and hard), if given."""
+        """``nofile``: the daemon's RLIMIT_NOFILE (soft and hard), if given. ``fsize``: its
+        RLIMIT_FSIZE, with SIGXFSZ ignored, so a write past that many bytes fails with EFBIG
+        the way a full disk fails with ENOSPC."""
         self.flags = ["--host", "127.0.0.1", "--port", "0", *flags]
         self.env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         self.nofile = nofile
+        self.fsize = fsize
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
         self._stderr: list[str] = []
@@ -72,7 +79,7 @@ class Daemon:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=None if self.nofile is None else self._limit_files,
+            preexec_fn=None if self.nofile is None and self.fsize is None else self._limit,
         )
         assert self.proc.stderr is not None and self.proc.stdout is not None
         stderr = self.proc.stderr
@@ -85,9 +92,11 @@ class Daemon:
         assert match, f"bad ready line {line!r}; stderr:\n{self.stderr}"
         self.port = int(match.group(2))
 
-    def _limit_files(self) -> None:
-        assert self.nofile is not None
-        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
+    def _limit(self) -> None:
+        if self.nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
+        if self.fsize is not None:
+            limit_file_size(self.fsize)
 
     def _collect(self, stream: IO[str]) -> None:
         for line in stream:
@@ -127,6 +136,12 @@ class Daemon:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
         raise AssertionError("no VmRSS line")
+
+
+def limit_file_size(size: int) -> None:
+    """In a child before exec: writes past ``size`` bytes of any file fail with EFBIG."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:

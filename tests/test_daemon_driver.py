@@ -249,6 +249,27 @@ def test_a_tape_that_cannot_be_written_ends_the_run_with_a_reason(tmp_path: Path
     run(scenario)
 
 
+def test_a_tape_a_crash_cut_gets_its_later_lines_on_lines_of_their_own(tmp_path: Path) -> None:
+    # Appended to a cut last line, a resumed run's first record was unreadable too.
+    async def scenario() -> None:
+        tape = tmp_path / "tape.jsonl"
+        tape.write_bytes(b'{"step":1}\n{"step":2,"frag')
+        driver = Driver(
+            Scripted([AppendTape({"event": "resumed", "step": 1})]),
+            RecordingTransport(),
+            FakeClock(),
+            outputs=Outputs(event_tape_path=tape),
+            log=KeyValueLog(io.StringIO()),
+        )
+        await driver.dispatch(TimerFired("x"))
+        driver.close()
+        assert driver.exit is None
+        lines = tape.read_text(encoding="utf-8").splitlines()
+        assert lines == ['{"step":1}', '{"step":2,"frag', '{"event":"resumed","step":1}']
+
+    run(scenario)
+
+
 def test_final_marker_and_final_state(tmp_path: Path) -> None:
     async def scenario() -> None:
         path, final_state = tmp_path / "ckpt.bin", tmp_path / "final.bin"

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TextIO, runtime_checkable
+from typing import Any, BinaryIO, Protocol, TextIO, runtime_checkable
 
 import anyio
 import anyio.from_thread
@@ -138,6 +138,14 @@ def _json_default(value: object) -> object:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+def _ends_in_a_torn_line(path: Path) -> bool:
+    """Whether an existing tape's last line lacks its newline (a crash cut it)."""
+    with contextlib.suppress(OSError), open(path, "rb") as tape:
+        tape.seek(-1, os.SEEK_END)
+        return tape.read(1) != b"\n"
+    return False
+
+
 # -- the driver ------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Outputs:
@@ -204,7 +212,7 @@ class Driver:
         self._throttle = LogThrottle()
         self.shutdown_grace = shutdown_grace
         self._timers: dict[str, float] = {}
-        self._tape: TextIO | None = None
+        self._tape: BinaryIO | None = None
         self._run_scope: anyio.CancelScope | None = None
         self._stop_request: Exit | None = None
         #: Set once an ``Exit`` ran (or the driver had to stop); the run is over.
@@ -365,8 +373,13 @@ class Driver:
         path = self.outputs.event_tape_path
         if path is None or self._tape is not None or self.exit is not None:
             return self._tape is not None
+        torn = _ends_in_a_torn_line(path)
         try:
-            self._tape = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+            # Unbuffered: each line is written whole by this process, or cut back off (below).
+            self._tape = open(path, "ab", buffering=0)  # noqa: SIM115 - kept open for the run
+            if torn:  # a crash cut the last line: later lines must still start on their own
+                self._log("warning", "event tape ends in a cut line", {"path": str(path)})
+                self._write_line(b"\n")
         except OSError as exc:
             await self._finish(self._fail(f"event tape {path} cannot be opened: {exc}"))
             return False
@@ -378,10 +391,26 @@ class Driver:
         assert self._tape is not None
         line = json.dumps(record, default=_json_default, separators=(",", ":"), allow_nan=False)
         try:
-            self._tape.write(line + "\n")
-            self._tape.flush()
+            self._write_line(line.encode("utf-8") + b"\n")
         except OSError as exc:
-            await self._finish(self._fail(f"event tape write failed: {exc}"))
+            path = self.outputs.event_tape_path
+            reason = exc.strerror or str(exc)
+            await self._finish(self._fail(f"event tape write failed: {reason} (file {path})"))
+
+    def _write_line(self, data: bytes) -> None:
+        """Append one whole line; on a failure (a full disk) cut off what part of it was written,
+        so the tape keeps only whole lines and a resumed run appends after the last one."""
+        assert self._tape is not None
+        fd = self._tape.fileno()
+        end = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, end)
+            raise
 
     async def _write_checkpoint(self, state: object, final: bool, recovery: bool) -> None:
         path = self.outputs.checkpoint_path

@@ -1,0 +1,90 @@
+"""``yeto-sync`` when its writes fail for lack of space, as a real process.
+
+The daemon runs with RLIMIT_FSIZE (and SIGXFSZ ignored): a write past the limit fails with
+EFBIG ("File too large"), as a full disk fails with ENOSPC. Whatever fails, the files already
+on disk stay whole and loadable, no temporary file is left, the daemon exits 1 with a last line
+naming the file, the errno text and the checkpoint it kept, and ``--resume`` carries on.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+from daemon_harness import Daemon
+from scripted_learner import LearnerGroup, ScriptedLearner, SessionSpec
+
+from yeto_proto import MergeMode, WireDtype, WireFragment, WireLayout
+from yeto_proto.checkpoint import read_checkpoint
+
+LAYOUT = WireLayout((WireFragment(MergeMode.AVG, (16,)), WireFragment(MergeMode.AVG, (8,))))
+SPEC = SessionSpec(WireDtype.BF16, LAYOUT, bytes(range(32)), bytes(range(64, 96)))
+
+
+def flags(checkpoint: Path, *extra: str) -> list[str]:
+    return [
+        "--learners=1",
+        "--total-steps=6",
+        "--sync-interval-steps=0",
+        f"--checkpoint-path={checkpoint}",
+        "--checkpoint-every=2",
+        *extra,
+    ]
+
+
+def serve(daemon: Daemon, generation: int, *, init: bool) -> list[BaseException]:
+    """One scripted learner until the daemon ends; what went wrong for it."""
+    initial = [np.full(n, 0.5, np.float32) for n in LAYOUT.numels] if init else None
+    learner = ScriptedLearner(
+        LearnerGroup(daemon.address, SPEC, learner_id=0, generation=generation, num_streams=1),
+        initial=initial,
+    )
+    failures: list[BaseException] = []
+
+    def play() -> None:
+        try:
+            learner.start()
+            learner.run(timeout=30)
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            learner.group.close()
+
+    thread = threading.Thread(target=play)
+    thread.start()
+    daemon.wait(30)
+    thread.join(30)
+    return failures
+
+
+def last_line(daemon: Daemon) -> str:
+    return daemon.stderr.strip().splitlines()[-1]
+
+
+def test_an_event_tape_that_does_not_fit_keeps_whole_lines(tmp_path: Path) -> None:
+    checkpoint, tape = tmp_path / "ckpt", tmp_path / "events.jsonl"
+    tape_flags = flags(checkpoint, f"--event-tape={tape}", "--total-steps=10")
+    with Daemon(*tape_flags, fsize=1500) as daemon:  # room for a few merge lines
+        serve(daemon, 1, init=True)
+        assert daemon.wait() == 1
+    # The line that did not fit was cut off whole: every line on the tape is a record.
+    text = tape.read_text(encoding="utf-8")
+    assert text.endswith("\n") and 0 < len(text) < 1500
+    assert all(json.loads(line) for line in text.splitlines())
+    kept = read_checkpoint(checkpoint).global_step
+    assert last_line(daemon) == (
+        f"yeto-sync: event tape write failed: File too large (file {tape}); "
+        f"last durable checkpoint {checkpoint} at global_step {kept}"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "events.jsonl"]
+
+    with Daemon(*tape_flags, "--resume") as daemon:
+        assert not serve(daemon, 2, init=False)
+        assert daemon.wait() == 0, daemon.stderr
+    records = [json.loads(line) for line in tape.read_text(encoding="utf-8").splitlines()]
+    resumed = [i for i, r in enumerate(records) if r.get("event") == "resumed"]
+    assert len(resumed) == 1 and records[resumed[0]]["step"] == kept
+    steps = [r["step"] for r in records[resumed[0] :] if "event" not in r]
+    assert steps == list(range(kept + 1, 11))
