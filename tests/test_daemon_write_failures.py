@@ -17,10 +17,21 @@ from daemon_harness import Daemon
 from scripted_learner import LearnerGroup, ScriptedLearner, SessionSpec
 
 from yeto_proto import MergeMode, WireDtype, WireFragment, WireLayout
-from yeto_proto.checkpoint import read_checkpoint
+from yeto_proto.checkpoint import (
+    Checkpoint,
+    CheckpointFormat,
+    FragmentState,
+    LedgerEntry,
+    TrailerKind,
+    read_checkpoint,
+    scheduled_version,
+    write_checkpoint,
+)
+from yeto_proto.constants import IsoBackend
 
 LAYOUT = WireLayout((WireFragment(MergeMode.AVG, (16,)), WireFragment(MergeMode.AVG, (8,))))
 SPEC = SessionSpec(WireDtype.BF16, LAYOUT, bytes(range(32)), bytes(range(64, 96)))
+CHECKPOINT_SIZE = 373  # V3 of LAYOUT with one ledger entry
 
 
 def flags(checkpoint: Path, *extra: str) -> list[str]:
@@ -32,6 +43,26 @@ def flags(checkpoint: Path, *extra: str) -> list[str]:
         "--checkpoint-every=2",
         *extra,
     ]
+
+
+def checkpoint_at(step: int) -> Checkpoint:
+    return Checkpoint(
+        format=CheckpointFormat.V3,
+        iso_backend=IsoBackend.SCALAR,
+        fingerprint=SPEC.fingerprint,
+        global_step=step,
+        fragments=tuple(
+            FragmentState(
+                scheduled_version(p, step, len(LAYOUT.numels)),
+                np.full(n, 0.25, np.float32),
+                np.zeros(n, np.float32),
+            )
+            for p, n in enumerate(LAYOUT.numels)
+        ),
+        ledger=(LedgerEntry(0, step, 4 * step, 4000 * step),),
+        contract=SPEC.contract,
+        trailer=TrailerKind.FINGERPRINT_AND_CONTRACT,
+    )
 
 
 def serve(daemon: Daemon, generation: int, *, init: bool) -> list[BaseException]:
@@ -61,6 +92,28 @@ def serve(daemon: Daemon, generation: int, *, init: bool) -> list[BaseException]
 
 def last_line(daemon: Daemon) -> str:
     return daemon.stderr.strip().splitlines()[-1]
+
+
+def test_a_periodic_checkpoint_that_does_not_fit_keeps_the_one_before(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    write_checkpoint(checkpoint, checkpoint_at(2))
+    before = checkpoint.read_bytes()
+    assert len(before) == CHECKPOINT_SIZE
+    with Daemon(*flags(checkpoint, "--resume"), fsize=CHECKPOINT_SIZE - 73) as daemon:
+        serve(daemon, 1, init=False)  # the learner sees its syncer go away
+        assert daemon.wait() == 1
+    # The step-4 write failed: the daemon says why and that the step-2 checkpoint is kept.
+    assert last_line(daemon) == (
+        f"yeto-sync: checkpoint write failed: CKPT_IO: write: File too large (file "
+        f"{checkpoint}); the checkpoint it resumed from, {checkpoint} at global_step 2"
+    )
+    assert checkpoint.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary file
+
+    with Daemon(*flags(checkpoint, "--resume")) as daemon:
+        assert not serve(daemon, 2, init=False)
+        assert daemon.wait() == 0, daemon.stderr
+    assert read_checkpoint(checkpoint).global_step == 6
 
 
 def test_an_event_tape_that_does_not_fit_keeps_whole_lines(tmp_path: Path) -> None:
