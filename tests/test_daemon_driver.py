@@ -3,11 +3,14 @@ timers fire on the (fake) clock, ``Exit`` and stop requests shut the transport d
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import math
+import os
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -20,6 +23,7 @@ from yeto_proto.checkpoint import (
     FragmentState,
     LedgerEntry,
     TrailerKind,
+    atomic,
     marker_state,
     read_checkpoint,
 )
@@ -292,6 +296,51 @@ def test_final_marker_and_final_state(tmp_path: Path) -> None:
         )
 
     run(scenario)
+
+
+def test_a_final_marker_that_does_not_fit_leaves_no_marker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk at the marker: exit 1 naming it, the final checkpoint kept unmarked."""
+    real_open = open
+
+    def full_for_markers(file: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        opened = real_open(file, mode, *args, **kwargs)
+        if ".final." in Path(file).name:
+            opened.write = _no_space  # the temporary marker's bytes never fit
+        return opened
+
+    monkeypatch.setattr(atomic, "open", full_for_markers, raising=False)
+
+    async def scenario() -> None:
+        path, final_state = tmp_path / "ckpt.bin", tmp_path / "final.bin"
+        state = checkpoint_at(12)
+        coordinator = Scripted(
+            [WriteCheckpoint(state, final=True), WriteFinalMarker(12), WriteFinalState(state)]
+        )
+        driver = Driver(
+            coordinator,
+            RecordingTransport(),
+            FakeClock(),
+            outputs=Outputs(checkpoint_path=path, final_state_path=final_state),
+            log=KeyValueLog(io.StringIO()),
+        )
+        await driver.dispatch(TimerFired("x"))
+        assert driver.exit is not None and driver.exit.code == 1
+        assert driver.exit.reason == (
+            f"final marker write failed: CKPT_IO: write: No space left on device "
+            f"(file {path}.final)"
+        )
+        assert driver.last_checkpoint is not None and driver.last_checkpoint.final
+        assert read_checkpoint(path).global_step == 12
+        assert marker_state(path, 12).status.name == "ABSENT"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.bin"]  # nor a temp file
+
+    run(scenario)
+
+
+def _no_space(data: object) -> int:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 class IdleSource:

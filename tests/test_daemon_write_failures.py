@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 from daemon_harness import Daemon
 from scripted_learner import LearnerGroup, ScriptedLearner, SessionSpec
 
@@ -141,3 +142,24 @@ def test_an_event_tape_that_does_not_fit_keeps_whole_lines(tmp_path: Path) -> No
     assert len(resumed) == 1 and records[resumed[0]]["step"] == kept
     steps = [r["step"] for r in records[resumed[0] :] if "event" not in r]
     assert steps == list(range(kept + 1, 11))
+
+
+@pytest.mark.parametrize("output", ["checkpoint", "final state"])
+def test_a_terminal_write_that_does_not_fit_leaves_no_file_and_no_marker(
+    tmp_path: Path, output: str
+) -> None:
+    path = tmp_path / output.replace(" ", "-")
+    if output == "checkpoint":  # the final cut's checkpoint is the first write
+        run = flags(path, "--checkpoint-every=100", "--mark-final-checkpoint")
+    else:
+        run = ["--learners=1", "--total-steps=6", "--sync-interval-steps=0"]
+        run.append(f"--final-state={path}")
+    with Daemon(*run, fsize=CHECKPOINT_SIZE - 73) as daemon:
+        failures = serve(daemon, 1, init=True)
+        assert daemon.wait() == 1
+    assert failures  # no learner got a final state that was not written
+    assert last_line(daemon) == (
+        f"yeto-sync: {output} write failed: CKPT_IO: write: File too large (file {path}); "
+        "no checkpoint was written"
+    )
+    assert not list(tmp_path.iterdir())  # no marker, no temporary file
