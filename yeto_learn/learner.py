@@ -54,6 +54,7 @@ from yeto_proto import (
 )
 from yeto_proto.checkpoint import atomic_replace, write_bytes_atomically
 from yeto_proto.constants import MAX_STREAMS
+from yeto_proto.errors import CheckpointError
 
 from .artifact_files import LAYOUT_FILE, RUN_ID_FILE, STATE_FILE, SUMMARY_FILE
 from .distributed import Apply, ApplyKind, LeaderFailed, Plan, PlanStatus, RankLink, rank_link
@@ -445,7 +446,13 @@ class Learner:
         if self.is_leader and self.out_dir is not None:
             # Only a started session makes this directory one that "ran" the id: a learner
             # that never reached its syncer may be started again with the same command.
-            _write_text_atomically(self.out_dir / RUN_ID_FILE, self.run_id + "\n")
+            try:
+                _write_text_atomically(self.out_dir / RUN_ID_FILE, self.run_id + "\n")
+            except CheckpointError as exc:
+                self._close_client()
+                raise LearnerError(
+                    f"the run id was not saved: {_write_failure(exc, self.out_dir)}"
+                ) from exc
 
     def _start_timeout_error(self) -> LearnerError:
         assert self._client is not None
@@ -500,6 +507,8 @@ class Learner:
         cut (or its SHUTDOWN after our ACK) does not arrive within ``timeout`` seconds
         (default ``finish_timeout``); nothing local is ever saved in its place. The learner
         stays usable after that timeout: call ``finish()`` again to wait longer, or ``close()``.
+        An artifact that cannot be written (a full disk) raises :class:`LearnerError` naming
+        the file, after the final state was applied and acknowledged.
         """
         with self._one_caller():
             self._usable()
@@ -829,16 +838,17 @@ class Learner:
             self._client.close()
 
     def _save_artifact(self) -> None:
-        """The learner-owned artifact: state dict, layout JSON and a summary, each atomic."""
+        """The learner-owned artifact: layout JSON, a summary and the state dict, each atomic.
+
+        ``model.pt`` is written last, so it exists only once the whole artifact does. A write
+        that fails (a full disk) leaves no temporary file and raises :class:`LearnerError`
+        naming the file.
+        """
         if self.out_dir is None:
             return
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         # The wrapped model's own names: normalizing every key would also rename a real
         # submodule called "module" (and could merge a buffer into a parameter's name).
         state = {k: v.detach().cpu() for k, v in unwrapped(self.model).state_dict().items()}
-        with atomic_replace(self.out_dir / STATE_FILE) as staging:
-            torch.save(state, staging)
-        _write_text_atomically(self.out_dir / LAYOUT_FILE, self.layout.to_json())
         summary = {
             "learner_id": self.learner_id,
             "run_id": self.run_id,
@@ -851,7 +861,20 @@ class Learner:
             "state_dict": STATE_FILE,
             "layout": LAYOUT_FILE,
         }
-        _write_text_atomically(self.out_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            _write_text_atomically(self.out_dir / LAYOUT_FILE, self.layout.to_json())
+            _write_text_atomically(
+                self.out_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n"
+            )
+            # Into an open file: torch then reports a failed write as the OSError it is.
+            with atomic_replace(self.out_dir / STATE_FILE) as staging, open(staging, "xb") as file:
+                torch.save(state, file)
+        except (OSError, CheckpointError) as exc:
+            raise LearnerError(
+                "the final state was applied and acknowledged, but the learner's artifact was "
+                f"not saved: {_write_failure(exc, self.out_dir)}"
+            ) from exc
 
 
 def _failure_text(exc: BaseException) -> str:
@@ -878,3 +901,10 @@ def _checked_tokens(tokens: int) -> int:
 
 def _write_text_atomically(path: Path, text: str) -> None:
     write_bytes_atomically(path, text.encode("utf-8"))
+
+
+def _write_failure(exc: OSError | CheckpointError, directory: Path) -> str:
+    """``<errno text> (file <path>)`` for a failed artifact write."""
+    if isinstance(exc, CheckpointError):  # the atomic writer's CKPT_IO already says both
+        return exc.detail.removeprefix(f"{exc.section}: ")
+    return f"{exc.strerror or exc} (file {exc.filename or directory})"
