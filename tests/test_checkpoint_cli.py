@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 import struct
 import subprocess
 import sys
@@ -369,3 +371,28 @@ def test_export_into_a_missing_directory_is_ckpt_io(
         capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
     )
     assert code == 2 and "CKPT_IO" in err and str(out) in err and err.count("\n") == 1
+
+
+def _limit_file_size() -> None:
+    """In the child: a write past 200 bytes fails with EFBIG, as a full disk fails."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_an_export_that_does_not_fit_is_one_line_exit_1_and_no_file(
+    files: dict[str, Path], tmp_path: Path, suffix: str
+) -> None:
+    out = tmp_path / f"model{suffix}"
+    done = subprocess.run(
+        [sys.executable, "-m", "yeto_learn.cli", "checkpoint", "export", str(files["v3"]),
+         "--layout", str(files["layout"]), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, preexec_fn=_limit_file_size,
+    )  # fmt: skip
+    assert done.returncode == 1  # the input was fine: not 2
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("yeto checkpoint export: error: CKPT_IO: write: ")
+    assert "File too large" in line and line.endswith(f"(file {out})")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["v1.bin", "v2.bin", "v3.bin", "layout.json"]
+    )

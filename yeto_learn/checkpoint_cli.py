@@ -3,7 +3,7 @@
 Both read through :func:`yeto_proto.checkpoint.read_checkpoint`, so a file is used only after it
 validated completely; export proves the layout first and then replaces the output atomically.
 Bad input raises a :class:`~yeto_proto.errors.ProtocolError`, which ``yeto`` turns into one line on
-stderr and exit code 2.
+stderr and exit code 2; an export that cannot be written (a full disk) is one line and exit 1.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 
     from .cli import Commands
 
+#: An output that could not be written (a full disk); bad input is 2, as everywhere.
+EXIT_WRITE_FAILED = 1
 ISO_BACKEND_NAMES = {iso_backend_name(backend): backend for backend in IsoBackend}
 SAFETENSORS_SUFFIXES = frozenset({".safetensors"})
 TORCH_SUFFIXES = frozenset({".pt", ".pth"})
@@ -225,13 +228,19 @@ def run_export(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise CheckpointError(ErrorCode.CKPT_IO, f"no such directory (file {out})", section="write")
     save = _save_safetensors if out.suffix.lower() in SAFETENSORS_SUFFIXES else _save_torch
-    with atomic_replace(out) as staging:
-        try:
-            save(exported, staging)
-        except (OSError, RuntimeError) as exc:  # a full disk, say; torch reports RuntimeError
-            raise CheckpointError(
-                ErrorCode.CKPT_IO, f"{exc} (file {out})".replace("\n", " "), section="write"
-            ) from None
+    try:
+        # An OSError (a full disk, say) becomes CKPT_IO naming the file; no temp file is left.
+        with atomic_replace(out) as staging:
+            try:
+                save(exported, staging)
+            except RuntimeError as exc:  # torch's own failures
+                raise CheckpointError(
+                    ErrorCode.CKPT_IO, f"{exc} (file {out})".replace("\n", " "), section="write"
+                ) from None
+    except CheckpointError as exc:
+        # The input was fine: exit 1, not 2, so that a script can tell the two apart.
+        print(f"{args.command_prog}: error: {exc}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
     total = sum(t.size for t in exported.tensors.values())
     print(f"exported {len(exported.tensors)} tensors ({total} values) to {out}")
     return 0
@@ -254,4 +263,7 @@ def _save_torch(exported: ExportedTensors, staging: Path) -> None:
         # The arrays are read-only views of the mapped checkpoint; torch.save only reads them.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         state_dict = {name: torch.from_numpy(array) for name, array in exported.tensors.items()}
-        torch.save(state_dict, staging)
+        # Into an open file: torch then reports a failed write as the OSError it is (given a
+        # path, it says "basic_ios::clear: iostream error").
+        with open(staging, "xb") as file:
+            torch.save(state_dict, file)

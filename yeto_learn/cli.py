@@ -6,7 +6,8 @@ Adding ``yeto launch`` or ``yeto bench`` is one more entry in :data:`SUBCOMMANDS
 heavy dependencies (torch) inside their handlers, so ``yeto --help`` stays fast.
 
 Exit codes: 0 success; 2 bad input (usage, or a file that failed validation: one line on stderr
-naming the file, the section and the reason); 141 when the reader of stdout went away.
+naming the file, the section and the reason); 1 when an output cannot be written (a full disk);
+141 when the reader of stdout went away.
 """
 
 from __future__ import annotations
