@@ -389,3 +389,39 @@ def test_the_first_line_counts_learners_in_words(tmp_path: Path, learners: int, 
     args = argparse.Namespace(learners=learners, fragments=2, wire_dtype="q4", merge="avg")
     line = launch.starting_line(args, "127.0.0.1:5", 40, tmp_path)
     assert said in line and "2 fragments" in line
+
+
+SUMMARY_THAT_DOES_NOT_FIT = """
+import argparse, resource, signal, sys
+from pathlib import Path
+from yeto_learn import launch
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (300, 300))  # the summary needs about 700 bytes
+done = {"eval_loss_start": 5.5, "eval_loss_final": 2.5, "steps": 40, "bytes_sent": 1000,
+        "bytes_received": 2000, "num_params": 5000, "params_sha256": "ab", "tokens": 640}
+view = launch.LearnerView(0, done=done)
+args = argparse.Namespace(learners=1, fragments=2, wire_dtype="q4", merge="avg")
+sys.exit(launch._summarize([view], launch.Paths(Path(sys.argv[1])), args, 6, 1.0))
+"""
+
+
+def test_a_summary_that_does_not_fit_fails_the_run_and_says_what_was_kept(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "syncer").mkdir()
+    kept = f"final checkpoint {tmp_path}/syncer/checkpoint.yeto at global_step 6"
+    (tmp_path / "syncer" / "syncer.log").write_text(f"yeto-sync: finalized; {kept}\n")
+    (tmp_path / "learner-0").mkdir()
+    (tmp_path / "learner-0" / "model.pt").write_bytes(b"whole")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    done = subprocess.run(
+        [sys.executable, "-c", SUMMARY_THAT_DOES_NOT_FIT, str(tmp_path)],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1
+    (line,) = done.stderr.splitlines()
+    assert line == (
+        "yeto launch: failed: the summary was not written: File too large (file "
+        f"{tmp_path / 'summary.json'}); kept: {kept}; every learner's artifact was written"
+    )
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # no temp

@@ -30,6 +30,7 @@ from typing import IO, TYPE_CHECKING, Any
 from yeto_proto import MergeMode
 from yeto_proto.checkpoint import write_bytes_atomically
 from yeto_proto.constants import MAX_STREAMS
+from yeto_proto.errors import CheckpointError
 from yeto_sync.help_format import HelpFormatter
 
 from .artifact_files import LAYOUT_FILE, STATE_FILE
@@ -481,7 +482,25 @@ def _launch(args: argparse.Namespace, paths: Paths, children: list[Child], start
         tail = "; ".join(syncer.stderr_tail(2))
         print(f"yeto launch: the syncer exited with {code}: {tail}", file=sys.stderr)
         return EXIT_FAILED
-    _summary(views, paths, args, rounds, time.monotonic() - started)
+    return _summarize(views, paths, args, rounds, time.monotonic() - started)
+
+
+def _summarize(
+    views: list[LearnerView], paths: Paths, args: argparse.Namespace, rounds: int, elapsed: float
+) -> int:
+    """Write and show the summary of a finalized run; a summary that cannot be written (a full
+    disk: the atomic write leaves no temporary file) fails the run with a line that says why
+    and what was kept."""
+    try:
+        _summary(views, paths, args, rounds, elapsed)
+    except CheckpointError as exc:
+        reason = exc.detail.removeprefix(f"{exc.section}: ")
+        print(
+            f"yeto launch: failed: the summary was not written: {reason}; "
+            f"kept: {_syncer_kept(paths)}; {_artifacts_kept(paths, args.learners)}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
     return EXIT_OK
 
 
