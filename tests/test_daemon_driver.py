@@ -331,7 +331,8 @@ def test_a_final_marker_that_does_not_fit_leaves_no_marker(
             f"final marker write failed: CKPT_IO: write: No space left on device "
             f"(file {path}.final)"
         )
-        assert driver.last_checkpoint is not None and driver.last_checkpoint.final
+        kept = driver.last_checkpoint
+        assert kept is not None and kept.final and kept.unmarked  # the last line says so
         assert read_checkpoint(path).global_step == 12
         assert marker_state(path, 12).status.name == "ABSENT"
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.bin"]  # nor a temp file

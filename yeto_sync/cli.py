@@ -558,6 +558,8 @@ def _kept_state(driver: Driver) -> str:
         return f"the checkpoint it resumed from, {kept.path} at global_step {kept.global_step}"
     if kept.recovery:
         kind = "recovery checkpoint (unmarked: not a final cut)"
+    elif kept.final and kept.unmarked:
+        kind = "final checkpoint (unmarked: its .final marker was not written)"
     elif kept.final:
         kind = "final checkpoint"
     else:

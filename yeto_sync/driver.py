@@ -15,6 +15,7 @@ state) and its structured ``key=value`` log on stderr.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -164,6 +165,8 @@ class DurableCheckpoint:
     recovery: bool = False
     #: The ``--resume`` checkpoint, which this run has not replaced yet.
     resumed: bool = False
+    #: A final checkpoint whose ``.final`` marker was requested but could not be written.
+    unmarked: bool = False
 
 
 class Driver:
@@ -436,6 +439,8 @@ class Driver:
             return
         if await self._write_file("final marker", write_final_marker, path, global_step):
             self._log("info", "final marker written", {"global_step": global_step})
+        elif self.last_checkpoint is not None and self.last_checkpoint.final:
+            self.last_checkpoint = dataclasses.replace(self.last_checkpoint, unmarked=True)
 
     async def _write_final_state(self, state: object) -> None:
         path = self.outputs.final_state_path
