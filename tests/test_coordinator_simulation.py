@@ -36,8 +36,32 @@ Launch and grace timing are observed, then checked against the spec's conditions
 (after a group becomes ready, an INIT, a completion or the launch timer) and it is due.
 Every schedule is replayed into a fresh coordinator, which must return the same actions.
 
-Not covered here: the budget cutoff (spec/closure.md), bf16 and q4 sessions, iso fragments,
-resume, early (streamed) broadcasts, data streams, and learners that break the protocol.
+Two more kinds of run use the same model:
+
+- RESUME (spec/checkpoint.md § 4, spec/syncer.md § 1 item 1): a drawn number of events after
+  its first checkpoint (the final one included, while no learner has its SHUTDOWN), the syncer
+  dies. The last WriteCheckpoint's state goes through the V3 writer and reader, a new
+  coordinator with ``--resume`` starts from it, every group and frame in flight is gone and the
+  learners redial with new generations; in half the runs a learner of another session (another
+  layout, fingerprint or contract) dials first and must get CKPT_RESUME_INELIGIBLE while the
+  syncer keeps waiting. The model rolls back to the checkpoint (global step, versions, params,
+  momentum, ledger), expects the ``resumed`` line at the first accepted HELLO and the rounds
+  after the checkpoint again; NICE and SILENT runs must end with exit 0 at total steps.
+- BUDGET (spec/closure.md § 3): ``--learner-budget-steps`` with a checkpoint path; each learner
+  sends BUDGET_DONE once at a drawn time (before the start, during the rounds, as the final cut
+  reaches it, or never), sometimes from a new generation, and stops answering pulls on that
+  connection. The model cancels every uncommitted round at the first accepted report (one
+  ``round_cancelled`` line each, their timers gone, no launch after, their late PUSHes
+  PUSH_OUT_OF_ROUND), ignores reports after the final cut, and expects the unmarked recovery
+  checkpoint, the ``budget_cutoff`` line and exit 0 once all M reported, or all of that with
+  exit 1 when the wait (``--final-ack-timeout-s`` from the first report) runs out. After a
+  complete NICE cutoff, most runs go on with the consolidation process of § 5 (``--resume``,
+  ``--total-steps C+F``, ``--quorum M``, no budget), which must merge every learner in each
+  of the F rounds and finish with a marked final checkpoint at C+F.
+
+Not covered here: bf16 and q4 sessions, iso fragments, early (streamed) broadcasts, data
+streams, learners that break the protocol (refused BUDGET_DONE reports included), a crash of a
+budget (cutoff) process, and a learner that reconnects to the resumed syncer after its SHUTDOWN.
 
 ``YETO_SIM_SEEDS=N`` runs N seeds per mode instead of the defaults (a soak run).
 """
@@ -52,6 +76,7 @@ import json
 import math
 import os
 import random
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +86,7 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from yeto_proto.checkpoint import Checkpoint
+from yeto_proto.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from yeto_proto.constants import MergeMode, WireDtype
 from yeto_proto.errors import ErrorCode
 from yeto_proto.identity import DeltaCorrection, LearnerWeight
@@ -70,6 +95,7 @@ from yeto_proto.limits import Limits
 from yeto_proto.messages import (
     AnyMessage,
     BcastFragment,
+    BudgetDone,
     FinalAck,
     FinalFragment,
     FinalManifest,
@@ -114,6 +140,8 @@ CONTRACT = bytes(range(100, 132))
 TIME_LIMIT_S = 2_000.0
 EVENT_LIMIT = 20_000
 TOL = 1e-9
+#: Timers that belong to a round (its attempt's quorum and grace, its retry wait).
+ROUND_TIMERS = ("quorum", "grace", "retry")
 
 
 class Mode(enum.Enum):
@@ -147,6 +175,12 @@ class Behaviour:
     double_ack_p: float = 0.0
     zero_tokens_p: float = 0.05
     silent: bool = False
+    #: When it has trained its budget and sends BUDGET_DONE (None: it never reports).
+    budget_at: float | None = None
+    #: It drops its connection just before reporting and reports from the next generation.
+    budget_redial: bool = False
+    #: Its budget runs out just as the final cut reaches it: it reports before its ACK.
+    budget_at_cut: bool = False
 
 
 @dataclass
@@ -158,6 +192,13 @@ class Scenario:
     behaviours: list[Behaviour]
     #: Chaos ends here: from then on every learner behaves as in NICE.
     chaos_until: float
+    #: Resume: the syncer crashes this many events after its first checkpoint (if it has not
+    #: exited by then) and a new process resumes from the last checkpoint written.
+    crash_after: int | None = None
+    #: After the crash, a learner of another session dials the resumed syncer first.
+    stray: bool = False
+    #: After a complete budget cutoff: the consolidation restart (spec/closure.md § 5).
+    consolidate: bool = False
 
     @property
     def exact_numerics(self) -> bool:
@@ -166,7 +207,7 @@ class Scenario:
         )
 
 
-def make_scenario(seed: int, mode: Mode) -> Scenario:
+def make_scenario(seed: int, mode: Mode, *, budget: bool = False, resume: bool = False) -> Scenario:
     rng = random.Random(seed * 7919 + list(Mode).index(mode))
     learners = rng.randint(2, 4) if mode is Mode.SILENT else rng.randint(1, 4)
     num_fragments = rng.randint(1, 3)
@@ -224,7 +265,46 @@ def make_scenario(seed: int, mode: Mode) -> Scenario:
         behaviours.append(behaviour)
     if mode is Mode.SILENT:
         behaviours[rng.randint(1, learners - 1)].silent = True
-    return Scenario(seed, mode, config, layout, behaviours, rng.uniform(5.0, 60.0))
+    scenario = Scenario(seed, mode, config, layout, behaviours, rng.uniform(5.0, 60.0))
+    # Drawn from their own stream, so that the sessions above stay the same.
+    extra = random.Random(f"{seed}/{mode.value}/{budget}/{resume}")
+    if budget:
+        draw_budget(scenario, extra)
+        scenario.consolidate = mode is Mode.NICE and extra.random() < 0.8
+    if resume:
+        scenario.config = dataclasses.replace(config, checkpoint_path=Path("sim.ckpt"))
+        scenario.crash_after = extra.choice([0, 1, 2, extra.randint(3, 30), extra.randint(3, 150)])
+        scenario.stray = extra.random() < 0.5
+    return scenario
+
+
+def draw_budget(scenario: Scenario, rng: random.Random) -> None:
+    """``--learner-budget-steps`` with a checkpoint path; each learner reports once, at a
+    drawn time: mostly while rounds run, sometimes after the final cut, one maybe never."""
+    config = dataclasses.replace(
+        scenario.config,
+        learner_budget_steps=rng.choice([1, 100, 4096, (1 << 32) - 1]),
+        checkpoint_path=Path("sim.ckpt"),
+    )
+    scenario.config = config
+    rough = 1.0 + config.total_steps * 0.25  # about when a nice run takes its final cut
+    when = rng.random()
+    if when < 0.1:  # before learner 0's INIT or the start, maybe
+        base = rng.uniform(0.0, 0.6)
+    elif when < 0.75:
+        base = rng.uniform(0.7, 0.8 * rough)
+    else:  # after the final cut, maybe
+        base = rng.uniform(1.5 * rough, 5 * rough)
+    # Not chaotic: every report arrives within the cutoff's wait (redials included).
+    spread = 0.4 * config.final_ack_timeout
+    if scenario.mode is Mode.CHAOS:
+        spread = rng.choice([spread, 3.0 * config.final_ack_timeout])
+    missing = rng.randrange(config.learners) if rng.random() < 0.25 else None
+    for learner, behaviour in enumerate(scenario.behaviours):
+        if learner != missing:
+            behaviour.budget_at = base + rng.uniform(0.0, spread)
+            behaviour.budget_at_cut = when >= 0.75 and rng.random() < 0.5
+        behaviour.budget_redial = rng.random() < 0.3
 
 
 # -- canonical actions (determinism, payload immutability) ----------------------------------------
@@ -378,6 +458,19 @@ class Oracle:
         #: global steps of the checkpoints written so far
         self.durable: set[int] = set()
         self.commits: list[int] = []
+        #: The first accepted HELLO fixed the session (and installed a resumed checkpoint).
+        self.session_fixed = False
+        #: After a crash: the checkpoint's global step and state, installed at the first
+        #: accepted HELLO of the new process (spec/syncer.md § 1 item 1).
+        self.resume_from: tuple[int, tuple[Any, ...]] | None = None
+        self.expect_refuse: int | None = None
+        # the budget cutoff (spec/closure.md § 3): learner id → the reporting group
+        self.reported: dict[int, GroupKey] = {}
+        #: When the first accepted report closed issuance.
+        self.cutoff_at: float | None = None
+        #: The cutoff closed (the recovery checkpoint, or exit 1 without it).
+        self.cutoff_closed = False
+        self.cancelled: set[int] = set()
 
     # -- small helpers ---------------------------------------------------------------------
     def bump(self, name: str, by: int = 1) -> None:
@@ -474,6 +567,23 @@ class Oracle:
 
     def on_hello(self, conn: int, hello: Hello) -> None:
         key = GroupKey(hello.learner_id, hello.generation)
+        self.expect_refuse = None
+        ours = (
+            bytes(hello.layout_fingerprint) == FINGERPRINT
+            and bytes(hello.session_contract) == CONTRACT
+            and hello.layout == self.layout
+        )
+        if not self.session_fixed:
+            if not ours:
+                # spec/checkpoint.md § 4 (choice): refused, and the syncer keeps waiting
+                check(self.resume_from is not None, "the simulation sent a foreign HELLO")
+                self.expect_refuse = conn
+                self.bump("resume_refused")
+                return
+            self.session_fixed = True
+            if self.resume_from is not None:
+                self.install()
+        check(ours, "the simulation sent a foreign HELLO after the session was fixed")
         check(key not in self.admitted, f"simulation reused {key}")
         self.admitted.add(key)
         self.groups[key] = OGroup(key, next(self.seq))
@@ -548,6 +658,8 @@ class Oracle:
                 self.on_push(key, message)
             case FinalAck():
                 self.on_ack(key, message)
+            case BudgetDone():
+                self.on_budget(key, message)
             case _:
                 raise SimFailure(f"the simulation sent {message}")
 
@@ -577,6 +689,9 @@ class Oracle:
         code = self.verdict(key, push)
         if code is not None:
             self.bump(f"rejected:{code.value}")
+            if push.global_step in self.cancelled:
+                check(code is ErrorCode.PUSH_OUT_OF_ROUND, "a cancelled round's PUSH")
+                self.bump("rejected_cancelled")
             self.exp_tape.append(
                 {
                     "event": "push_rejected",
@@ -716,6 +831,10 @@ class Oracle:
         if kind == "launch":
             self.advance()
             return
+        if kind == "cutoff":
+            if self.cutoff_at is not None and not self.cutoff_closed:
+                self.close_cutoff()
+            return
         if kind == "final-ack":
             if self.final is None:
                 return
@@ -739,6 +858,140 @@ class Oracle:
                 self.advance()
             elif kind == "quorum" and len(target.accepted) < target.quorum:
                 self.discard(target)
+
+    # -- the budget cutoff (spec/closure.md § 3) -------------------------------------------
+    def on_budget(self, key: GroupKey, report: BudgetDone) -> None:
+        budget = self.config.learner_budget_steps
+        check(budget is not None, "the simulation reported a budget the syncer does not have")
+        check(report.exact_local_steps == budget, "the simulation reported another budget")
+        check(key.learner_id not in self.reported, "the simulation reported twice")
+        if self.final is not None:
+            # item 6: the ordinary rounds ran out first; logged, ignored and not recorded
+            self.bump("budget_after_cut")
+            return
+        first = not self.reported
+        self.reported[key.learner_id] = key
+        self.bump("budget_done")
+        self.exp_tape.append(
+            {
+                "event": "budget_done",
+                "id": key.learner_id,
+                "generation": key.generation,
+                "exact_local_steps": budget,
+                "missing_learners": self.missing(),
+            }
+        )
+        if first:
+            # item 1: issuance closes; every launched, uncommitted round is cancelled whole
+            self.cutoff_at = self.now
+            if not self.started:
+                self.bump("budget_before_start")
+            for step in sorted(self.rounds):
+                cancelled = self.rounds[step]
+                self.cancelled.add(step)
+                self.bump("round_cancelled")
+                self.bump(f"cancelled_{cancelled.phase}")
+                self.exp_tape.append(
+                    {
+                        "event": "round_cancelled",
+                        "reason": "budget_cutoff",
+                        "step": cancelled.step,
+                        "fragment": cancelled.fragment,
+                        "attempt": cancelled.attempt,
+                        "phase": cancelled.phase,
+                        "expected_members": members_json(cancelled.members),
+                        "responded_members": members_json(cancelled.accepted),
+                    }
+                )
+            self.rounds.clear()
+            self.next_step = self.global_step + 1
+            self.launch_timer = None
+            # item 5: the wait for the rest is bounded by --final-ack-timeout-s
+            self.exp_timers["cutoff"] = self.now + self.config.final_ack_timeout
+        if not self.missing():
+            self.close_cutoff()
+
+    def missing(self) -> list[int]:
+        return [i for i in range(self.config.learners) if i not in self.reported]
+
+    def close_cutoff(self) -> None:
+        """Items 4, 5 and 7: the unmarked recovery checkpoint of C, the tape line, the exit."""
+        self.cutoff_closed = True
+        if any(p is None for p in self.params) or self.config.checkpoint_path is None:
+            self.bump("cutoff_unsaved")
+            self.exp_exit = 1
+            return
+        complete = not self.missing()
+        self.bump("cutoff_complete" if complete else "cutoff_incomplete")
+        self.snapshots[self.global_step] = self.snapshot()
+        self.exp_ckpts.append(("recovery", self.global_step))
+        self.exp_tape.append(
+            {
+                "event": "budget_cutoff",
+                "complete": complete,
+                "step": self.global_step,
+                "versions": list(self.versions),
+                "budget_steps": self.config.learner_budget_steps,
+                "reported_members": members_json(self.reported.values()),
+                "missing_learners": self.missing(),
+            }
+        )
+        self.exp_exit = 0 if complete else 1
+
+    # -- a crash, and the resumed process (spec/checkpoint.md § 4) --------------------------
+    def crash(self, step: int, config: SyncerConfig) -> None:
+        """The syncer died (or exited) after writing the checkpoint of ``step``; a new process
+        with ``--resume`` and ``config`` takes over: no group, round, timer or session yet."""
+        check(step in self.durable, f"resuming from step {step}, never checkpointed")
+        self.config = config
+        self.reported.clear()
+        self.cutoff_at = None
+        self.cutoff_closed = False
+        self.cancelled.clear()
+        if self.final is not None:
+            self.bump("crashed_after_cut")
+        self.resume_from = (step, self.snapshots[step])
+        self.groups.clear()
+        self.current.clear()
+        self.clocks.clear()
+        self.params = [None] * self.F
+        self.momentum = [None] * self.F
+        self.versions = [0] * self.F
+        self.ledger = {}
+        self.global_step = 0
+        self.session_fixed = self.started = False
+        self.next_step = 1
+        self.rounds.clear()
+        self.last_launch = self.launch_timer = None
+        self.last_sync = 0.0
+        self.final = None
+        self.exit = None
+        self.durable = {s for s in self.durable if s <= step}
+        self.commits = [c for c in self.commits if c <= step]
+        self.bump("crashed")
+
+    def install(self) -> None:
+        """The first accepted HELLO of a resumed process: the checkpoint's state, all of it."""
+        assert self.resume_from is not None
+        step, (versions, params, momentum, ledger) = self.resume_from
+        self.resume_from = None
+        self.versions = list(versions)
+        self.params = [np.frombuffer(b, "<f4").astype(np.float32) for b in params]
+        self.momentum = [np.frombuffer(b, "<f4").astype(np.float32) for b in momentum]
+        self.ledger = dict(ledger)
+        self.global_step = step
+        self.next_step = step + 1
+        for p, version in enumerate(self.versions):
+            self.history[(p, version)] = self.f32_bytes(p)
+        self.bump("resumed")
+        self.exp_tape.append(
+            {
+                "event": "resumed",
+                "step": step,
+                "next_step": step + 1,
+                "versions": list(versions),
+            }
+        )
 
     # -- commit, start, launch, final cut --------------------------------------------------
     def advance(self) -> None:
@@ -861,6 +1114,8 @@ class Oracle:
         """Why no round may launch now (spec § 3), or None."""
         if not self.started or self.final is not None:
             return "not running"
+        if self.cutoff_at is not None:
+            return "issuance closed by the budget cutoff"
         if self.next_step > self.config.total_steps:
             return "no step left"
         if len(self.rounds) >= self.depth:
@@ -911,7 +1166,7 @@ class Oracle:
             self.exp_timers["launch"] = self.last_launch + self.interval()
 
     def maybe_finalize(self) -> None:
-        if self.final is not None or not self.started:
+        if self.final is not None or not self.started or self.cutoff_at is not None:
             return
         if self.next_step <= self.config.total_steps or self.rounds:
             return
@@ -995,14 +1250,28 @@ class Oracle:
         actions = self.actions
         # admissions, refusals, closes
         admits = [a for a in actions if isinstance(a, AdmitGroup)]
-        if isinstance(event, HelloReceived):
-            conn, key = self.expect_admit
+        refusals = [a for a in actions if isinstance(a, RefuseConnection)]
+        if isinstance(event, HelloReceived) and self.expect_refuse is not None:
             check(
-                admits == [AdmitGroup(conn, key, 0, self.limits)], f"admission of {key}: {admits}"
+                len(refusals) == 1
+                and refusals[0].conn == self.expect_refuse
+                and refusals[0].error.text.startswith(ErrorCode.CKPT_RESUME_INELIGIBLE.value + ":"),
+                f"an ineligible HELLO under --resume: {refusals}",
+            )
+            check(
+                all(isinstance(a, RefuseConnection | Log) for a in actions),
+                f"a refused HELLO caused {actions}",
+            )
+            return
+        if isinstance(event, HelloReceived):
+            conn, admitted = self.expect_admit
+            check(
+                admits == [AdmitGroup(conn, admitted, 0, self.limits)],
+                f"admission of {admitted}: {admits}",
             )
         else:
             check(not admits, f"admitted without a HELLO: {admits}")
-        check(not any(isinstance(a, RefuseConnection) for a in actions), "a HELLO was refused")
+        check(not refusals, "a HELLO was refused")
         closes = [a for a in actions if isinstance(a, CloseGroup)]
         check(
             closes == [CloseGroup(k, None) for k in self.exp_closes],
@@ -1144,8 +1413,11 @@ class Oracle:
         for action in self.actions:
             match action:
                 case WriteCheckpoint(state=state, final=final, recovery=recovery):
-                    check(not recovery, "a recovery checkpoint without a budget")
-                    writes.append(("final" if final else "commit", state.global_step))
+                    if recovery:
+                        check(final, "the cutoff's recovery checkpoint is not a terminal write")
+                        writes.append(("recovery", state.global_step))
+                    else:
+                        writes.append(("final" if final else "commit", state.global_step))
                     self.check_state(state)
                 case WriteFinalMarker(global_step=step):
                     writes.append(("marker", step))
@@ -1187,6 +1459,8 @@ class Oracle:
         if model is None:
             return
         check(list(model.versions) == self.versions, f"versions {model.versions}")
+        ledger = {i: tuple(e) for i, e in model.ledger.items()}
+        check(ledger == self.ledger, f"ledger {ledger} != {self.ledger}")
         for p, slot in enumerate(model.fragments):
             if self.params[p] is None:
                 check(not slot.initialized, f"fragment {p} initialized early")
@@ -1217,6 +1491,9 @@ class Connection:
     pending: list[PullReq] = field(default_factory=list)
     manifest: FinalManifest | None = None
     acked: bool = False
+    ready: bool = False
+    #: BUDGET_DONE went out on it: pulls on it are not answered (spec/closure.md § 4 item 2).
+    frozen: bool = False
 
 
 class Learner:
@@ -1233,6 +1510,9 @@ class Learner:
         self.origin = 0.0
         self.step_base = 0
         self.inited = False
+        self.reported = False
+        self.want_report = False
+        self.redialed_for_report = False
 
     @property
     def rng(self) -> random.Random:
@@ -1280,6 +1560,7 @@ class Learner:
         conn = self.conn
         if conn is None or conn.key != key or not conn.live:
             return
+        conn.ready = True
         if self.id == 0 and (not self.inited or self.rng.random() < self.b.reinit_p):
             # learner 0 INITs on every connection until it has seen every fragment come back
             self.inited = len(self.seen) == len(self.world.init_params)
@@ -1287,7 +1568,37 @@ class Learner:
                 self.send(InitParams(p, values.astype("<f4").tobytes()), self.rng.uniform(0, 0.02))
             if self.chaotic and self.rng.random() < self.b.disconnect_p / 2:
                 self.world.later(self.rng.uniform(0.0, 0.03), "drop", self.id)  # mid-INIT
+        if self.want_report:
+            self.report()
         self.world.later(self.rng.uniform(0.1, 1.0), "heartbeat", (self.id, key))
+
+    def budget_done(self) -> None:
+        """It trained its budget: report it now, or on its next connection."""
+        if self.done or self.reported:
+            return
+        conn = self.conn
+        if conn is None or not conn.live or not conn.ready:
+            self.want_report = True
+            return
+        if self.b.budget_redial and not self.redialed_for_report:
+            self.redialed_for_report = True
+            self.want_report = True
+            self.disconnect(redial=self.rng.uniform(0.0, 0.1))
+            return
+        self.report()
+
+    def report(self) -> None:
+        conn = self.conn
+        assert conn is not None
+        budget = self.world.scenario.config.learner_budget_steps
+        assert budget is not None
+        self.want_report = False
+        self.reported = True
+        conn.frozen = True
+        conn.pending = []
+        if self.redialed_for_report:
+            self.world.oracle.bump("budget_from_redial")
+        self.send(BudgetDone(budget), self.rng.uniform(0.0, 0.05))
 
     def heartbeat(self, key: GroupKey) -> None:
         conn = self.conn
@@ -1300,7 +1611,7 @@ class Learner:
         assert self.conn is not None
         self.world.later(delay, "arrive", (self.conn.key, message))
 
-    def disconnect(self) -> None:
+    def disconnect(self, redial: float | None = None) -> None:
         conn = self.conn
         assert conn is not None
         conn.live = False
@@ -1310,8 +1621,18 @@ class Learner:
         self.world.later(linger, "closed", conn.key)
         if self.rng.random() < 0.3:  # a restarted process: its local step count starts over
             self.origin, self.step_base = self.world.now, 0
-        redial = self.rng.choice([self.rng.uniform(0.0, 0.1), self.rng.uniform(0.05, 3.0)])
+        if redial is None:
+            redial = self.rng.choice([self.rng.uniform(0.0, 0.1), self.rng.uniform(0.05, 3.0)])
         self.world.later(redial, "dial", self.id)
+
+    def crashed(self) -> None:
+        """The syncer process died: the connection is gone with whatever was in flight on it;
+        it redials the new process with a new generation (anchors and the cut start over)."""
+        self.conn = None
+        self.seen.clear()
+        self.final.clear()
+        self.applied_cut = False
+        self.world.later(self.rng.uniform(0.05, 1.0), "dial", self.id)
 
     def deliver(self, key: GroupKey, message: AnyMessage) -> None:
         conn = self.conn
@@ -1324,6 +1645,8 @@ class Learner:
                     self.seen.setdefault(p, set()).add(v)
                 self.answer_pending()
             case PullReq():
+                if conn.frozen:
+                    return
                 conn.pending.append(message)
                 self.answer_pending()
             case FinalFragment(fragment_id=p, version=v):
@@ -1332,6 +1655,10 @@ class Learner:
                 self.maybe_ack()
             case FinalManifest():
                 conn.manifest = message
+                if self.b.budget_at_cut:
+                    self.budget_done()
+                    if self.conn is not conn:
+                        return  # it redials to report
                 self.maybe_ack()
             case Shutdown():
                 check(conn.acked, f"SHUTDOWN to {key} before its ACK")
@@ -1444,6 +1771,17 @@ class World:
             for f in scenario.layout.fragments
         ]
         self.learners = [Learner(self, i, b) for i, b in enumerate(scenario.behaviours)]
+        #: Each syncer process: its config, the checkpoint it resumed and its first event.
+        self.lives: list[tuple[SyncerConfig, Checkpoint | None, int]] = [(scenario.config, None, 0)]
+        #: The state of the last WriteCheckpoint carried out, and the crash countdown.
+        self.last_checkpoint: Checkpoint | None = None
+        self.crash_countdown = scenario.crash_after
+        self.crash_pending = False
+        self.crashed_at: float | None = None
+        #: The event tape of the current process.
+        self.tape: list[dict[str, Any]] = []
+        #: The cutoff checkpoint's global step C, once the consolidation process started.
+        self.consolidated_from: int | None = None
 
     def next_conn(self) -> int:
         return next(self.conns)
@@ -1452,7 +1790,7 @@ class World:
         heapq.heappush(self.queue, (self.now + delay, next(self.order), kind, payload))
 
     def feed(self, event: Event) -> list[Action]:
-        if self.coordinator.exit is not None:
+        if self.coordinator.exit is not None or self.crash_pending:
             return []
         try:
             actions = self.coordinator.handle(event, self.now)
@@ -1483,9 +1821,104 @@ class World:
                     )
                 case CloseGroup(group=group):
                     self.later(0.0, "kicked", group)
+                case WriteCheckpoint(state=state):
+                    self.last_checkpoint = state
+                case AppendTape(record=record):
+                    self.tape.append(record)
                 case _:
                     pass
+        if self.oracle.cutoff_at is not None:
+            left = [k for k in self.timers if k.partition(":")[0] in ROUND_TIMERS]
+            check(not left, f"timers {left} of cancelled rounds are still set")
+        self.maybe_crash()
         return actions
+
+    def maybe_crash(self) -> None:
+        if self.crash_countdown is None or self.last_checkpoint is None:
+            return
+        if self.coordinator.exit is not None or any(learner.done for learner in self.learners):
+            return  # a learner that got SHUTDOWN has gone: no resumed run could start
+        if self.crash_countdown > 0:
+            self.crash_countdown -= 1
+            return
+        self.crash_countdown = None
+        self.crash_pending = True  # carried out before the next event
+
+    def crash(self) -> None:
+        """The syncer dies; a new process resumes from the last checkpoint it wrote, read back
+        from the bytes the V3 writer makes of it."""
+        self.restart(dataclasses.replace(self.scenario.config, resume=True))
+
+    def consolidate(self) -> None:
+        """spec/closure.md § 5: the harness restarts the syncer from the cutoff checkpoint C
+        with --resume, --total-steps C+F and --quorum M, without a budget."""
+        state = self.last_checkpoint
+        assert state is not None
+        self.consolidated_from = state.global_step
+        config = self.scenario.config
+        self.restart(
+            dataclasses.replace(
+                config,
+                resume=True,
+                total_steps=state.global_step + len(self.scenario.layout.fragments),
+                quorum=config.learners,
+                learner_budget_steps=None,
+                mark_final_checkpoint=True,
+            )
+        )
+
+    def restart(self, config: SyncerConfig) -> None:
+        state = self.last_checkpoint
+        assert state is not None
+        with tempfile.TemporaryDirectory(prefix="yeto-sim-") as folder:
+            path = Path(folder) / "sim.ckpt"
+            write_checkpoint(path, state)
+            saved = read_checkpoint(path)
+        # still the model's state at its step: nothing wrote into the arrays it refers to
+        self.oracle.check_state(saved)
+        self.coordinator = Coordinator(config, checkpoint=saved)
+        self.lives.append((config, saved, len(self.events)))
+        self.oracle.crash(saved.global_step, config)
+        self.tape = []
+        self.crash_pending = False
+        self.crashed_at = self.now
+        self.timers.clear()
+        self.queue.clear()
+        self.in_flight_to.clear()
+        for learner in self.learners:
+            learner.crashed()
+        if self.scenario.stray:
+            self.later(0.01, "stray", None)
+
+    def stray(self) -> None:
+        """A learner of another session dials the resumed syncer first: refused with
+        CKPT_RESUME_INELIGIBLE, and the syncer keeps waiting (spec/checkpoint.md § 4)."""
+        layout = self.scenario.layout
+        fingerprint, contract = FINGERPRINT, CONTRACT
+        variant = self.rng.randrange(3)
+        if variant == 0:  # another model
+            layout = WireLayout(layout.fragments + (WireFragment(MergeMode.AVG, (5,)),))
+            fingerprint = bytes(range(200, 232))
+        elif variant == 1:  # same sizes, other tensors
+            fingerprint = bytes(range(1, 33))
+        else:  # another run of the same model
+            contract = bytes(range(50, 82))
+        hello = Hello(
+            learner_id=self.rng.randrange(self.scenario.config.learners),
+            generation=(1 << 63) + self.rng.randrange(1 << 20),
+            dtype=WireDtype.F32,
+            layout=layout,
+            layout_fingerprint=fingerprint,
+            session_contract=contract,
+            num_streams=0,
+            profile_hash=None,
+        )
+        self.feed(HelloReceived(self.next_conn(), hello))
+        coordinator = self.coordinator
+        check(
+            coordinator.session is None and coordinator.model is None,
+            "an ineligible HELLO fixed the resumed session",
+        )
 
     def step(self) -> bool:
         """Carry out the next due thing; False when nothing is left."""
@@ -1537,13 +1970,31 @@ class World:
                 learner = self.learners[payload]
                 if learner.conn is not None and not learner.done:
                     learner.disconnect()
+            case "budget":
+                self.learners[payload].budget_done()
+            case "stray":
+                self.stray()
             case _:
                 raise AssertionError(kind)
 
     def run(self) -> None:
         for learner in self.learners:
             self.later(self.rng.uniform(0.0, 0.5), "dial", learner.id)
+            if learner.b.budget_at is not None:
+                self.later(learner.b.budget_at, "budget", learner.id)
         for _ in range(EVENT_LIMIT):
+            if self.crash_pending:
+                self.crash()
+            exit_ = self.coordinator.exit
+            if (
+                exit_ is not None
+                and exit_.code == 0
+                and self.scenario.consolidate
+                and self.consolidated_from is None
+                and self.oracle.cutoff_closed
+            ):
+                self.consolidate()
+                continue
             if self.coordinator.exit is not None or self.now > TIME_LIMIT_S:
                 return
             if not self.step():
@@ -1567,13 +2018,40 @@ def time_bound(scenario: Scenario) -> float:
     return bound
 
 
-def replay(scenario: Scenario, events: list[tuple[Event, float]]) -> list[Any]:
-    coordinator = Coordinator(scenario.config)
-    return [canon(coordinator.handle(event, now)) for event, now in events]
+def replay(world: World) -> list[Any]:
+    """Every syncer process of the run again, fed the same events: the same actions."""
+    replayed: list[Any] = []
+    for index, (config, checkpoint, first) in enumerate(world.lives):
+        last = world.lives[index + 1][2] if index + 1 < len(world.lives) else len(world.events)
+        coordinator = Coordinator(config, checkpoint=checkpoint)
+        replayed.extend(canon(coordinator.handle(e, now)) for e, now in world.events[first:last])
+    return replayed
 
 
-def simulate(seed: int, mode: Mode) -> World:
-    scenario = make_scenario(seed, mode)
+def check_consolidation(world: World) -> None:
+    """spec/closure.md § 6, items 2 and 3: what the harness requires before it exports."""
+    start = world.consolidated_from
+    assert start is not None
+    exit_ = world.coordinator.exit
+    assert exit_ is not None
+    check(exit_.code == 0, f"the consolidation exited {exit_}")
+    F = len(world.scenario.layout.fragments)
+    check(world.oracle.global_step == start + F, "the consolidation did not reach C+F")
+    merges = [r for r in world.tape if "event" not in r]
+    check(
+        [r["step"] for r in merges] == list(range(start + 1, start + F + 1)),
+        f"consolidation merge lines {[r['step'] for r in merges]}",
+    )
+    check(sorted(r["fragment"] for r in merges) == list(range(F)), "fragments consolidated")
+    every = list(range(world.scenario.config.learners))
+    for record in merges:
+        ids = sorted(r["id"] for r in record["responders"])
+        check(ids == every, f"consolidation round {record['step']} merged {ids}")
+    world.oracle.bump("consolidated")
+
+
+def simulate(seed: int, mode: Mode, *, budget: bool = False, resume: bool = False) -> World:
+    scenario = make_scenario(seed, mode, budget=budget, resume=resume)
     world = World(scenario)
     try:
         world.run()
@@ -1581,27 +2059,56 @@ def simulate(seed: int, mode: Mode) -> World:
         exit_ = world.coordinator.exit
         assert exit_ is not None
         oracle = world.oracle
+        config = oracle.config  # the last process's
         check(oracle.commits == list(range(1, len(oracle.commits) + 1)), "commits not 1..n")
-        check(oracle.final is not None, "the run ended without a final cut")
-        check(world.now <= time_bound(scenario), f"exit at {world.now} > {time_bound(scenario)}")
-        if mode is not Mode.CHAOS:
-            check(exit_.code == 0, f"exit {exit_}")
-            check(oracle.global_step == scenario.config.total_steps, "did not reach total_steps")
+        bound = time_bound(dataclasses.replace(scenario, config=config))
+        if world.crashed_at is not None:  # the resumed process starts over, redials first
+            bound += world.crashed_at + 1.1
+        if world.consolidated_from is not None:
+            check_consolidation(world)
+        if oracle.cutoff_at is not None:
+            check(oracle.final is None and oracle.cutoff_closed, "the cutoff did not close")
+            late = 0.2 if mode is Mode.CHAOS else 0.0
+            cutoff_end = oracle.cutoff_at + config.final_ack_timeout + late
+            check(world.now <= cutoff_end + TOL, f"cutoff exit at {world.now} > {cutoff_end}")
+            bound = max(bound, cutoff_end)
+            if oracle.stats.get("cutoff_unsaved"):  # item 7
+                check(exit_.code == 1 and "nothing to save" in exit_.reason, f"exit {exit_}")
+            elif oracle.missing():
+                check(exit_.code == 1 and "budget cutoff" in exit_.reason, f"exit {exit_}")
+            elif mode is not Mode.CHAOS:
+                check(exit_.code == 0, f"exit {exit_}")
+            if exit_.code == 0:
+                check(
+                    isinstance(world.last_checkpoint, Checkpoint)
+                    and world.last_checkpoint.global_step == oracle.global_step,
+                    "no recovery checkpoint",
+                )
         else:
+            check(oracle.final is not None, "the run ended without a final cut")
+            if mode is not Mode.CHAOS:
+                check(exit_.code == 0, f"exit {exit_}")
+                check(oracle.global_step == config.total_steps, "did not reach total_steps")
+        check(world.now <= bound, f"exit at {world.now} > {bound}")
+        if mode is Mode.CHAOS:
             check(
-                exit_.code == 0 or "FINAL_ACK missing" in exit_.reason or "no live" in exit_.reason,
+                exit_.code == 0
+                or any(
+                    reason in exit_.reason
+                    for reason in ("FINAL_ACK missing", "no live", "budget cutoff")
+                ),
                 f"exit {exit_}",
             )
         # after the exit nothing more happens
         check(not world.coordinator.handle(TimerFired("launch"), world.now + 1), "after exit")
-        check(
-            replay(scenario, world.events) == world.canon_actions,
-            "the same events gave different actions",
-        )
+        check(replay(world) == world.canon_actions, "the same events gave different actions")
+        if scenario.consolidate and exit_.code == 0 and world.consolidated_from is None:
+            check(oracle.final is not None, "a complete cutoff was not consolidated")
     except SimFailure as failure:
         raise SimFailure(
-            f"seed {seed} mode {mode.value} at t={world.now:.6f} after {len(world.events)} "
-            f"events\n{scenario.config}\n{scenario.layout}\n{failure}"
+            f"seed {seed} mode {mode.value} budget {budget} resume {resume} at "
+            f"t={world.now:.6f} after {len(world.events)} events\n{scenario.config}\n"
+            f"{scenario.layout}\n{failure}"
         ) from failure
     return world
 
@@ -1668,3 +2175,56 @@ def test_the_schedules_reach_the_paths_they_are_meant_to_check() -> None:
     assert [name for name in wanted if not totals.get(name)] == [], totals
     assert exits == {0, 1}
     assert exact >= 10
+
+
+# -- resume and the budget cutoff -----------------------------------------------------------------
+RESUME_MODES = [Mode.NICE, Mode.SILENT, Mode.CHAOS]
+
+
+@pytest.mark.parametrize("seed", seeds(45))
+def test_a_crashed_syncer_resumes_from_its_last_checkpoint(seed: int) -> None:
+    """spec/checkpoint.md § 4, spec/syncer.md § 1 item 1: the state rolls back to the
+    checkpoint, the rounds after it run again, the learners redial with new generations."""
+    simulate(seed, RESUME_MODES[seed % 3], resume=True)
+
+
+@pytest.mark.parametrize("seed", seeds(45))
+def test_budget_cutoff_sessions_match_the_spec(seed: int) -> None:
+    """spec/closure.md § 3: cancelled rounds, the unmarked recovery checkpoint, the exits."""
+    simulate(seed, RESUME_MODES[seed % 3], budget=True)
+
+
+def test_the_resume_and_cutoff_schedules_reach_their_paths() -> None:
+    """Guards the two simulations above: they must crash and resume (before and after the
+    cut, with strays refused), and cut off complete, incomplete, late and empty-handed."""
+    totals: dict[str, int] = {}
+    exits: dict[str, set[int]] = {"resume": set(), "budget": set()}
+    for seed in range(2000, 2036):
+        for kind in ("resume", "budget"):
+            world = simulate(
+                seed, RESUME_MODES[seed % 3], budget=kind == "budget", resume=kind == "resume"
+            )
+            for name, count in world.oracle.stats.items():
+                totals[name] = totals.get(name, 0) + count
+            exit_ = world.coordinator.exit
+            assert exit_ is not None
+            exits[kind].add(exit_.code)
+    wanted = [
+        "crashed",
+        "crashed_after_cut",
+        "resumed",
+        "resume_refused",
+        "init_ignored",
+        "budget_done",
+        "budget_from_redial",
+        "budget_after_cut",
+        "round_cancelled",
+        "cancelled_gathering",
+        "cancelled_complete",
+        "cutoff_complete",
+        "cutoff_incomplete",
+        "rejected_cancelled",
+        "consolidated",
+    ]
+    assert [name for name in wanted if not totals.get(name)] == [], totals
+    assert exits == {"resume": exits["resume"] | {0}, "budget": {0, 1}}, exits
