@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import selectors
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -381,3 +382,23 @@ class ScriptedLearner:
             self.local[fragment] = values.copy()  # adopt the authoritative state, no blending
         self.group.send(FinalAck(manifest.final_global_step))
         self.acked = True
+
+
+def play_in_thread(
+    learner: ScriptedLearner, failures: list[BaseException], timeout: float = 60.0
+) -> threading.Thread:
+    """Run ``learner`` (start, then play until its syncer ends) on a thread of its own; what
+    goes wrong for it lands in ``failures``, and its sockets are closed either way."""
+
+    def play() -> None:
+        try:
+            learner.start()
+            learner.run(timeout=timeout)
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            learner.group.close()
+
+    thread = threading.Thread(target=play)
+    thread.start()
+    return thread

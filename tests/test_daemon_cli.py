@@ -16,7 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from daemon_harness import REPO, Daemon, error_code, wait_until
-from scripted_learner import LearnerGroup, ScriptedLearner, SessionSpec, SyncerError
+from scripted_learner import (
+    LearnerGroup,
+    ScriptedLearner,
+    SessionSpec,
+    SyncerError,
+    play_in_thread,
+)
 from test_checkpoint import make_checkpoint
 
 from yeto_proto import MergeMode, WireDtype, WireFragment, WireLayout
@@ -225,21 +231,6 @@ def test_a_port_in_use_is_one_line_and_nonzero() -> None:
     assert "cannot listen" in line
 
 
-def _play(learner: ScriptedLearner, failures: list[BaseException]) -> threading.Thread:
-    def play() -> None:
-        try:
-            learner.start()
-            learner.run(timeout=60)
-        except BaseException as exc:
-            failures.append(exc)
-        finally:
-            learner.group.close()
-
-    thread = threading.Thread(target=play)
-    thread.start()
-    return thread
-
-
 def test_sigterm_keeps_the_last_checkpoint_and_resume_finishes_the_run(tmp_path: Path) -> None:
     checkpoint = tmp_path / "ckpt"
     flags = [
@@ -264,7 +255,7 @@ def test_sigterm_keeps_the_last_checkpoint_and_resume_finishes_the_run(tmp_path:
             before_push=pause_at_step_3,
         )
         failures: list[BaseException] = []
-        thread = _play(learner, failures)
+        thread = play_in_thread(learner, failures)
         wait_until(paused.is_set, 30, "step 3's PULL")
         wait_until(lambda: "global_step=2" in first.stderr, 30, "the step-2 checkpoint")
         started = time.monotonic()
@@ -297,7 +288,7 @@ def test_sigterm_keeps_the_last_checkpoint_and_resume_finishes_the_run(tmp_path:
             LearnerGroup(second.address, SPEC, learner_id=0, generation=2, num_streams=1)
         )
         failures = []
-        _play(learner, failures).join(60)
+        play_in_thread(learner, failures).join(60)
         assert not failures, f"{failures!r}\n{second.stderr}"
         assert second.wait(30) == 0, second.stderr
     # Resumed at the checkpoint's versions (1 and 2), never from version 0.
@@ -350,6 +341,6 @@ def test_hello_authentication_from_a_key_file_or_the_environment(tmp_path: Path)
                 initial=initial,
             )
             failures: list[BaseException] = []
-            _play(honest, failures).join(60)
+            play_in_thread(honest, failures).join(60)
             assert not failures, f"{failures!r}\n{daemon.stderr}"
             assert daemon.wait(30) == 0

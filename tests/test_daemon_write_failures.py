@@ -9,13 +9,12 @@ naming the file, the errno text and the checkpoint it kept, and ``--resume`` car
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 from daemon_harness import Daemon
-from scripted_learner import LearnerGroup, ScriptedLearner, SessionSpec
+from scripted_learner import LearnerGroup, ScriptedLearner, SessionSpec, play_in_thread
 
 from yeto_proto import MergeMode, WireDtype, WireFragment, WireLayout
 from yeto_proto.checkpoint import (
@@ -74,18 +73,7 @@ def serve(daemon: Daemon, generation: int, *, init: bool) -> list[BaseException]
         initial=initial,
     )
     failures: list[BaseException] = []
-
-    def play() -> None:
-        try:
-            learner.start()
-            learner.run(timeout=30)
-        except BaseException as exc:
-            failures.append(exc)
-        finally:
-            learner.group.close()
-
-    thread = threading.Thread(target=play)
-    thread.start()
+    thread = play_in_thread(learner, failures, timeout=30)
     daemon.wait(30)
     thread.join(30)
     return failures
