@@ -274,20 +274,26 @@ def test_a_tape_a_crash_cut_gets_its_later_lines_on_lines_of_their_own(tmp_path:
     run(scenario)
 
 
+def final_cut_driver(tmp_path: Path) -> tuple[Driver, Path, Path, Checkpoint]:
+    """A driver whose next event writes the final checkpoint, its marker and the final state."""
+    path, final_state = tmp_path / "ckpt.bin", tmp_path / "final.bin"
+    state = checkpoint_at(12)
+    coordinator = Scripted(
+        [WriteCheckpoint(state, final=True), WriteFinalMarker(12), WriteFinalState(state)]
+    )
+    driver = Driver(
+        coordinator,
+        RecordingTransport(),
+        FakeClock(),
+        outputs=Outputs(checkpoint_path=path, final_state_path=final_state),
+        log=KeyValueLog(io.StringIO()),
+    )
+    return driver, path, final_state, state
+
+
 def test_final_marker_and_final_state(tmp_path: Path) -> None:
     async def scenario() -> None:
-        path, final_state = tmp_path / "ckpt.bin", tmp_path / "final.bin"
-        state = checkpoint_at(12)
-        coordinator = Scripted(
-            [WriteCheckpoint(state, final=True), WriteFinalMarker(12), WriteFinalState(state)]
-        )
-        driver = Driver(
-            coordinator,
-            RecordingTransport(),
-            FakeClock(),
-            outputs=Outputs(checkpoint_path=path, final_state_path=final_state),
-            log=KeyValueLog(io.StringIO()),
-        )
+        driver, path, final_state, state = final_cut_driver(tmp_path)
         await driver.dispatch(TimerFired("x"))
         assert marker_state(path, 12).status.name == "FINAL"
         assert read_checkpoint(final_state).global_step == 12
@@ -313,18 +319,7 @@ def test_a_final_marker_that_does_not_fit_leaves_no_marker(
     monkeypatch.setattr(atomic, "open", full_for_markers, raising=False)
 
     async def scenario() -> None:
-        path, final_state = tmp_path / "ckpt.bin", tmp_path / "final.bin"
-        state = checkpoint_at(12)
-        coordinator = Scripted(
-            [WriteCheckpoint(state, final=True), WriteFinalMarker(12), WriteFinalState(state)]
-        )
-        driver = Driver(
-            coordinator,
-            RecordingTransport(),
-            FakeClock(),
-            outputs=Outputs(checkpoint_path=path, final_state_path=final_state),
-            log=KeyValueLog(io.StringIO()),
-        )
+        driver, path, _, _ = final_cut_driver(tmp_path)
         await driver.dispatch(TimerFired("x"))
         assert driver.exit is not None and driver.exit.code == 1
         assert driver.exit.reason == (
