@@ -12,10 +12,18 @@ from sim import ScriptedLearner, Sim, avg_layout
 from yeto_proto.constants import WireDtype
 from yeto_proto.dtypes import encode_tensor
 from yeto_proto.errors import ErrorCode
-from yeto_proto.messages import PullReq, PushFragment
+from yeto_proto.messages import Heartbeat, PullReq, PushFragment
 from yeto_sync.config import SyncerConfig
 from yeto_sync.coordinator import LAUNCH_TIMER, Phase
-from yeto_sync.events import CancelTimer, CloseGroup, GroupKey, Log, MessageReceived, SetTimer
+from yeto_sync.events import (
+    AppendTape,
+    CancelTimer,
+    CloseGroup,
+    GroupKey,
+    Log,
+    MessageReceived,
+    SetTimer,
+)
 
 LAYOUT3 = avg_layout((4,), (3, 2), (5,))
 LAYOUT1 = avg_layout((6,))
@@ -113,6 +121,27 @@ def test_a_waiting_launch_is_measured_again_when_the_estimates_change() -> None:
     assert sim.timers[LAUNCH_TIMER] == pytest.approx(1.42 + 24 * 0.24 / 3)
     b.disconnect()
     assert sim.timers[LAUNCH_TIMER] == pytest.approx(1.42 + 24 * 0.0525 / 3)
+
+
+def test_a_push_whose_report_makes_a_launch_due_is_judged_before_that_launch() -> None:
+    # Row 4 of spec/syncer.md § 6: round 2 was not in flight when this PUSH arrived.
+    sim, a, _ = paced_pair()
+    sim.advance(0.5)
+    actions = sim.message(a.key, a.push_for(PullReq(1, 2, 1), local_step=200))
+    rejected = [x.record for x in actions if isinstance(x, AppendTape)]
+    assert [(r["event"], r["code"]) for r in rejected] == [("push_rejected", "PUSH_OUT_OF_ROUND")]
+    assert pulls(sim, a.key)[-1] == (2, 1, 1)  # the shorter interval launched it, after
+
+
+def test_a_slowest_learner_closed_for_a_protocol_error_shortens_the_wait() -> None:
+    sim, a, b = paced_pair()
+    sim.advance(0.3)
+    b.heartbeat(21)  # b slows down: the launch moves later
+    slow = sim.timers[LAUNCH_TIMER]
+    sim.message(b.key, Heartbeat(learner_id=0, local_step=22))  # fatal: not b's own id
+    assert closed_code(sim, b.key) == "LEARNER_ID_MISMATCH"
+    assert slow == pytest.approx(1.0 + 24 * 0.175 / 3)  # b: 0.5 · 0.3 + 0.5 · 0.05 s a step
+    assert sim.timers[LAUNCH_TIMER] == pytest.approx(1.0 + 0.8)  # a's pace alone
 
 
 # -- quorum, completion, grace -------------------------------------------------------------------

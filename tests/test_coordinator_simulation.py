@@ -447,6 +447,8 @@ class Oracle:
         #: When the launch timer will fire for a round waiting for its pacing interval: while
         #: one waits, every change of the estimates or of the connected learners re-checks it.
         self.launch_timer: float | None = None
+        #: The event changed a step-time estimate or the connected learners.
+        self.pacing_changed = False
         self.last_sync = 0.0
         self.final: OFinal | None = None
         self.exit: Exit | None = None
@@ -552,6 +554,7 @@ class Oracle:
         self.timer_sets = {a.key: a.at for a in actions if isinstance(a, SetTimer)}
         if event == TimerFired("launch"):
             self.launch_timer = None
+        self.pacing_changed = False
         match event:
             case HelloReceived(conn=conn, hello=hello):
                 self.on_hello(conn, hello)
@@ -563,6 +566,8 @@ class Oracle:
                 self.on_message(key, message)
             case TimerFired(key=key):
                 self.on_timer(key)
+        if self.pacing_changed and self.exp_exit is None:
+            self.recheck_pacing()  # after the whole event (a PUSH is judged first)
         self.verify(event)
 
     def on_hello(self, conn: int, hello: Hello) -> None:
@@ -634,7 +639,7 @@ class Oracle:
             if self.final is not None:
                 self.bump("closed_after_cut")
             self.finish_if_delivered()
-            self.recheck_pacing()  # the slowest learner may have left
+            self.pacing_changed = True  # the slowest learner may have left
 
     def on_message(self, key: GroupKey, message: AnyMessage) -> None:
         if key not in self.groups:
@@ -653,7 +658,7 @@ class Oracle:
             case Heartbeat(local_step=local_step):
                 if self.current.get(key.learner_id) == key:
                     self.observe(key.learner_id, local_step, self.now)
-                    self.recheck_pacing()
+                    self.pacing_changed = True
             case PushFragment():
                 self.on_push(key, message)
             case FinalAck():
@@ -685,7 +690,7 @@ class Oracle:
     def on_push(self, key: GroupKey, push: PushFragment) -> None:
         if self.current.get(key.learner_id) == key:
             self.observe(key.learner_id, push.local_step, self.now)
-            self.recheck_pacing()
+            self.pacing_changed = True
         code = self.verdict(key, push)
         if code is not None:
             self.bump(f"rejected:{code.value}")

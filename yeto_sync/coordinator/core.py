@@ -187,6 +187,8 @@ class Coordinator:
         self._last_launch_at: float | None = None
         #: When the launch timer is set to fire (a round waits for its pacing interval).
         self._launch_due: float | None = None
+        #: This event changed a step-time estimate or the connected learners.
+        self._pacing_changed = False
         #: ξ_sync: the previous commit's time from completion to commit.
         self._last_sync_s = 0.0
         self._bcasts: dict[int, BcastFragment] = {}
@@ -257,6 +259,10 @@ class Coordinator:
                 self._on_group_closed(group, reason, now, out)
             case TimerFired(key=key):
                 self._on_timer(key, now, out)
+        if self._pacing_changed:
+            # After the whole event: a PUSH is judged against the rounds launched before it.
+            self._pacing_changed = False
+            self._recheck_pacing(now, out)
         return out
 
     # -- admission -------------------------------------------------------------------------
@@ -386,7 +392,7 @@ class Coordinator:
         )
         if was_current:
             self._finish_if_delivered(out)  # its missing re-ACK no longer holds the cut up
-            self._recheck_pacing(now, out)  # the slowest learner may have left
+            self._pacing_changed = True  # the slowest learner may have left
 
     # -- messages --------------------------------------------------------------------------
     def _on_message(
@@ -469,7 +475,7 @@ class Coordinator:
             return
         if self._registry.is_current(key):
             self._step_times.observe(key.learner_id, beat.local_step, now)
-            self._recheck_pacing(now, out)
+            self._pacing_changed = True
 
     def _on_push(
         self,
@@ -487,7 +493,7 @@ class Coordinator:
             return
         if self._registry.is_current(key):
             self._step_times.observe(key.learner_id, push.local_step, now)
-            self._recheck_pacing(now, out)
+            self._pacing_changed = True
         target = self._rounds.get(push.global_step)
         rejection = (
             Rejection(ErrorCode.PUSH_OUT_OF_ROUND, f"no round {push.global_step} is in flight")
@@ -775,7 +781,7 @@ class Coordinator:
     def _recheck_pacing(self, now: float, out: list[Action]) -> None:
         """A launch waiting for its pacing interval, after the step-time estimates or the
         connected learners changed: the interval is measured again (spec/syncer.md § 3)."""
-        if self._launch_due is not None:
+        if self._launch_due is not None and self._exit is None:
             self._launch_rounds(now, out)
 
     def _launch_rounds(self, now: float, out: list[Action]) -> None:
@@ -1117,6 +1123,7 @@ class Coordinator:
         if was_current:
             # Its GroupClosed finds it forgotten already: the cut is re-checked here instead.
             self._finish_if_delivered(out)
+            self._pacing_changed = True
 
     def _fail(self, reason: str, out: list[Action]) -> None:
         self._finish(EXIT_FAILURE, reason, out)
