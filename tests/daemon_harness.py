@@ -42,14 +42,17 @@ class Daemon:
         env: dict[str, str] | None = None,
         nofile: int | None = None,
         fsize: int | None = None,
+        nohup: bool = False,
     ) -> None:
         """``nofile``: the daemon's RLIMIT_NOFILE (soft and hard), if given. ``fsize``: its
         RLIMIT_FSIZE, with SIGXFSZ ignored, so a write past that many bytes fails with EFBIG
-        the way a full disk fails with ENOSPC."""
+        the way a full disk fails with ENOSPC. ``nohup``: started ignoring SIGHUP, as by
+        ``nohup``."""
         self.flags = ["--host", "127.0.0.1", "--port", "0", *flags]
         self.env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         self.nofile = nofile
         self.fsize = fsize
+        self.nohup = nohup
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
         self._stderr: list[str] = []
@@ -79,7 +82,7 @@ class Daemon:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=None if self.nofile is None and self.fsize is None else self._limit,
+            preexec_fn=self._limit,
         )
         assert self.proc.stderr is not None and self.proc.stdout is not None
         stderr = self.proc.stderr
@@ -93,6 +96,8 @@ class Daemon:
         self.port = int(match.group(2))
 
     def _limit(self) -> None:
+        if self.nohup:
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
         if self.nofile is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
         if self.fsize is not None:

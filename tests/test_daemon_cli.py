@@ -231,6 +231,15 @@ def test_a_port_in_use_is_one_line_and_nonzero() -> None:
     assert "cannot listen" in line
 
 
+def test_under_nohup_a_hangup_leaves_the_daemon_running() -> None:
+    with Daemon("--learners=1", "--total-steps=4", nohup=True) as daemon:
+        daemon.signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert daemon.proc is not None and daemon.proc.poll() is None, daemon.stderr
+        daemon.signal(signal.SIGTERM)
+        assert daemon.wait(15) == 128 + signal.SIGTERM
+
+
 def test_sigterm_keeps_the_last_checkpoint_and_resume_finishes_the_run(tmp_path: Path) -> None:
     checkpoint = tmp_path / "ckpt"
     flags = [

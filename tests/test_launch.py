@@ -22,7 +22,7 @@ import pytest
 import torch
 from syncer_process import REPO, child_env
 
-from yeto_learn import cli, launch
+from yeto_learn import cli, launch, process_control
 from yeto_proto import Layout
 from yeto_proto.checkpoint import is_marked_final, read_checkpoint
 
@@ -425,3 +425,17 @@ def test_a_summary_that_does_not_fit_fails_the_run_and_says_what_was_kept(
         f"{tmp_path / 'summary.json'}); kept: {kept}; every learner's artifact was written"
     )
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # no temp
+
+
+def test_a_stop_signal_raises_once_and_a_hangup_ignored_at_start_stays_ignored() -> None:
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    try:
+        with process_control.signals_raise("yeto test"):
+            os.kill(os.getpid(), signal.SIGHUP)  # ignored: the run goes on
+            with pytest.raises(process_control.Stopped) as stopped:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)  # the handler runs at the next bytecode
+            assert stopped.value.signum == signal.SIGTERM
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)

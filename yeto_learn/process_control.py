@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import NoReturn
 
+from yeto_sync.stop_signals import stop_signals
+
 
 @functools.cache
 def parent_death_signal() -> Callable[[], None] | None:
@@ -53,11 +55,6 @@ class Stopped(Exception):
         self.signum = signum
 
 
-def optional_signals(*names: str) -> list[signal.Signals]:
-    """The named signals this platform has (Windows has no SIGHUP)."""
-    return [getattr(signal, name) for name in names if hasattr(signal, name)]
-
-
 @contextlib.contextmanager
 def signals_raise(command: str) -> Iterator[None]:
     """The first SIGINT/SIGTERM/SIGHUP raises :class:`Stopped`; later ones only say so on stderr.
@@ -78,9 +75,8 @@ def signals_raise(command: str) -> Iterator[None]:
         stopping = True
         raise Stopped(signum)
 
-    # SIGHUP too: a closed terminal stops the run the same orderly way.
-    stop_signals = [signal.SIGINT, signal.SIGTERM, *optional_signals("SIGHUP")]
-    previous = {s: signal.signal(s, handler) for s in stop_signals}
+    # SIGHUP too: a closed terminal stops the run the same orderly way (not under nohup).
+    previous = {s: signal.signal(s, handler) for s in stop_signals()}
     try:
         yield
     finally:

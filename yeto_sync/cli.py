@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -38,6 +39,7 @@ from .events import Exit
 from .help_format import HelpFormatter
 from .iso import IsoPoolSettings, IsoWorkerPool
 from .merge import MergeError
+from .stop_signals import stop_signals
 from .transport import MonotonicClock
 from .transport.group import ConnectionGroups
 from .transport.tcp import TcpTransport
@@ -312,9 +314,10 @@ def load_resume_checkpoint(config: SyncerConfig) -> Checkpoint | None:
     return checkpoint
 
 
-#: Each stops the daemon the same way; SIGHUP is what closing the terminal (or ssh session) that
-#: runs it in the foreground sends.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+@functools.cache
+def _stop_signals() -> tuple[signal.Signals, ...]:
+    """Each stops the daemon the same way; decided once, before its own handlers go in."""
+    return stop_signals()
 
 
 class _Interrupted(BaseException):
@@ -331,7 +334,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def _set_signal_handlers(handler: Callable[[int, object], None] | signal.Handlers) -> None:
     if threading.current_thread() is threading.main_thread():
-        for signum in STOP_SIGNALS:
+        for signum in _stop_signals():
             signal.signal(signum, handler)
 
 
@@ -532,7 +535,7 @@ async def _stop_on_signal(
     the default action while it finishes a checkpoint write or flushes its queues.
     """
     try:
-        with anyio.open_signal_receiver(*STOP_SIGNALS) as received:
+        with anyio.open_signal_receiver(*_stop_signals()) as received:
             task_status.started()
             stopping = False
             async for signum in received:
