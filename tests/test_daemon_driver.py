@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -251,6 +252,36 @@ def test_a_tape_that_cannot_be_written_ends_the_run_with_a_reason(tmp_path: Path
         assert transport.calls == [("shutdown", driver.shutdown_grace)]  # nothing after it
 
     run(scenario)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_tape_is_written_without_waiting_for_a_second_writer(tmp_path: Path) -> None:
+    # The torn-line check opened the tape to read it: on a FIFO that waits for a writer, and
+    # the daemon is its only one (a hang that not even SIGTERM ended).
+    tape = tmp_path / "tape.fifo"
+    os.mkfifo(tape)
+    read: list[bytes] = []
+    reader = threading.Thread(target=lambda: read.append(tape.read_bytes()), daemon=True)
+    reader.start()
+
+    async def scenario() -> None:
+        driver = Driver(
+            Scripted([AppendTape({"step": 1})]),
+            RecordingTransport(),
+            FakeClock(),
+            outputs=Outputs(event_tape_path=tape),
+            log=KeyValueLog(io.StringIO()),
+        )
+        await driver.dispatch(TimerFired("x"))
+        driver.close()
+        assert driver.exit is None
+
+    driving = threading.Thread(target=run, args=(scenario,), daemon=True)
+    driving.start()
+    driving.join(10)
+    assert not driving.is_alive(), "the driver waits on the FIFO"
+    reader.join(10)
+    assert read == [b'{"step":1}\n']
 
 
 def test_a_tape_a_crash_cut_gets_its_later_lines_on_lines_of_their_own(tmp_path: Path) -> None:

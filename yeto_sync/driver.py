@@ -19,6 +19,7 @@ import dataclasses
 import datetime as dt
 import json
 import os
+import stat
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -140,10 +141,19 @@ def _json_default(value: object) -> object:
 
 
 def _ends_in_a_torn_line(path: Path) -> bool:
-    """Whether an existing tape's last line lacks its newline (a crash cut it)."""
-    with contextlib.suppress(OSError), open(path, "rb") as tape:
-        tape.seek(-1, os.SEEK_END)
-        return tape.read(1) != b"\n"
+    """Whether an existing tape file's last line lacks its newline (a crash cut it).
+
+    Regular files only: opening a FIFO to read would wait for a writer, and the daemon is its
+    only one.
+    """
+    with contextlib.suppress(OSError):
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
+        with open(path, "rb") as tape:
+            if tape.seek(0, os.SEEK_END) == 0:
+                return False
+            tape.seek(-1, os.SEEK_END)
+            return tape.read(1) != b"\n"
     return False
 
 
