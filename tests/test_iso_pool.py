@@ -153,6 +153,15 @@ def test_the_pool_is_the_torch_svd_backend_and_an_iso_solver(pool: IsoWorkerPool
     assert all(alive(pid) for pid in pool.worker_pids)
 
 
+def test_workers_ignore_what_a_terminal_sends_its_whole_process_group(pool: IsoWorkerPool) -> None:
+    for pid in pool.worker_pids:
+        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGHUP)
+    out = pool.polar_flatten(np.array([3, 0, 0, 1], np.float32), 2, 2)
+    np.testing.assert_allclose(out, [2, 0, 0, 2], rtol=1e-6)
+    assert all(alive(pid) for pid in pool.worker_pids)
+
+
 @pytest.mark.parametrize("backend", ["scalar", "torch-svd"])
 def test_golden_flattens_the_spectrum_on_both_backends(pool: IsoWorkerPool, backend: str) -> None:
     solver: IsoSolver = SCALAR_ISO_SOLVER if backend == "scalar" else pool

@@ -102,7 +102,11 @@ def worker_main(
     conn: Connection, index: int, threads: int, fault: FaultPlan | None, parent_pid: int
 ) -> None:
     """The child's entry point (a ``multiprocessing`` target)."""
+    # Ctrl+C and a closed terminal reach the whole foreground process group: the syncer alone
+    # decides when its workers stop (a worker dying first would fail the commit in progress).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     threading.Thread(
         target=_exit_when_orphaned, args=(parent_pid,), name="parent-watch", daemon=True
     ).start()
