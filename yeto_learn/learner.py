@@ -642,11 +642,11 @@ class Learner:
             error: BaseException | None = None
             if self.is_leader:
                 try:
-                    if self._client_closed:  # by close() from another thread: nothing will come
-                        raise LearnerError("close() was called while this learner waited")
                     left = deadline - time.monotonic()
                     if done():
                         plan = Plan(PlanStatus.DONE)
+                    elif self._client_closed:  # by close() from another thread: nothing comes
+                        raise LearnerError("close() was called while this learner waited")
                     elif left <= 0:
                         error = on_timeout()
                         plan = Plan(PlanStatus.TIMED_OUT, error=str(error))
