@@ -86,6 +86,12 @@ def test_launch_trains_two_learners_and_summarizes(tmp_path: Path) -> None:
             assert flat.tobytes() == values.params.tobytes()
 
 
+def hangup_not_ignored() -> None:
+    """In the child: SIGHUP at its default even where the tests run under ``nohup`` (an ignored
+    signal stays ignored across exec, and a nohup'd yeto leaves SIGHUP alone)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize(
     "signals",
     [[signal.SIGTERM], [signal.SIGTERM, signal.SIGINT], [signal.SIGHUP]],
@@ -99,6 +105,7 @@ def test_a_signal_stops_every_child_and_says_what_was_kept(
     launcher = subprocess.Popen(
         [*LAUNCH, "--learners", "2", "--steps", "100000", "--out", str(out)],
         cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=hangup_not_ignored,
     )  # fmt: skip
     try:
         assert launcher.stdout is not None

@@ -1,6 +1,7 @@
 """How a ``yeto`` command that runs child processes stops: signals, and children that follow.
 
-``yeto launch`` and ``yeto bench`` share it: the first SIGINT, SIGTERM or SIGHUP becomes a
+``yeto launch`` and ``yeto bench`` share it: the first SIGINT, SIGTERM or SIGHUP (unless it was
+ignored at start, as under ``nohup``) becomes a
 :class:`Stopped` exception in the main thread, so the command stops its children and prints its
 last line, and a child started with :func:`parent_death_signal` is sent SIGTERM if the command
 dies without that chance (Linux). :func:`exit_process` ends the ``yeto`` process with the code

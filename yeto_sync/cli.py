@@ -4,7 +4,8 @@ Once the listener is bound it prints exactly one line, ``yeto-sync listening on 
 stdout (with ``--port 0``, the port the system chose). Structured ``key=value`` log lines go to
 stderr. Exit status: 0 after a completed finalization (or a benchmark cutoff); 2 for bad flags,
 an unreadable key or checkpoint, or an existing checkpoint without ``--resume``; otherwise the
-coordinator's failure code (1), or 128 + the signal number after SIGINT/SIGTERM/SIGHUP. The last
+coordinator's failure code (1), or 128 + the signal number after SIGINT/SIGTERM/SIGHUP (SIGHUP
+unless started under nohup). The last
 stderr line always says why the syncer stopped and which checkpoint (path and global step) it kept.
 """
 

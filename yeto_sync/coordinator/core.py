@@ -248,6 +248,7 @@ class Coordinator:
         out: list[Action] = []
         if self._exit is not None:
             return out
+        self._pacing_changed = False
         match event:
             case HelloReceived(conn=conn, hello=hello):
                 self._on_hello(conn, hello, out)
