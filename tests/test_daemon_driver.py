@@ -284,6 +284,29 @@ def test_a_fifo_tape_is_written_without_waiting_for_a_second_writer(tmp_path: Pa
     assert read == [b'{"step":1}\n']
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_tape_without_a_reader_fails_the_run_at_once(tmp_path: Path) -> None:
+    tape = tmp_path / "tape.fifo"
+    os.mkfifo(tape)
+
+    async def scenario() -> None:
+        driver = Driver(
+            Scripted([AppendTape({"step": 1})]),
+            RecordingTransport(),
+            FakeClock(),
+            outputs=Outputs(event_tape_path=tape),
+            log=KeyValueLog(io.StringIO()),
+        )
+        await driver.dispatch(TimerFired("x"))
+        assert driver.exit is not None and driver.exit.code == 1
+        assert "cannot be opened" in driver.exit.reason, driver.exit.reason
+
+    driving = threading.Thread(target=run, args=(scenario,), daemon=True)
+    driving.start()
+    driving.join(10)
+    assert not driving.is_alive(), "the driver waits for a reader"
+
+
 def test_a_tape_a_crash_cut_gets_its_later_lines_on_lines_of_their_own(tmp_path: Path) -> None:
     # Appended to a cut last line, a resumed run's first record was unreadable too.
     async def scenario() -> None:

@@ -157,6 +157,17 @@ def _ends_in_a_torn_line(path: Path) -> bool:
     return False
 
 
+def _append_descriptor(path: Path) -> int:
+    """A descriptor appending to ``path``, opened without waiting.
+
+    Opening a FIFO to write waits for a reader, on the event loop, where not even SIGTERM gets
+    through: without one this fails at once (ENXIO, "No such device or address").
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666)
+    os.set_blocking(fd, True)
+    return fd
+
+
 # -- the driver ------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Outputs:
@@ -389,7 +400,7 @@ class Driver:
         torn = _ends_in_a_torn_line(path)
         try:
             # Unbuffered: each line is written whole by this process, or cut back off (below).
-            self._tape = open(path, "ab", buffering=0)  # noqa: SIM115 - kept open for the run
+            self._tape = open(_append_descriptor(path), "ab", buffering=0)  # noqa: SIM115
             if torn:  # a crash cut the last line: later lines must still start on their own
                 self._log("warning", "event tape ends in a cut line", {"path": str(path)})
                 self._write_line(b"\n")
