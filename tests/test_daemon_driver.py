@@ -254,6 +254,38 @@ def test_a_tape_that_cannot_be_written_ends_the_run_with_a_reason(tmp_path: Path
     run(scenario)
 
 
+async def append_one(tape: Path, record: dict[str, Any]) -> Driver:
+    """A driver that appends ``record`` to the event tape ``tape``, then closes."""
+    driver = Driver(
+        Scripted([AppendTape(record)]),
+        RecordingTransport(),
+        FakeClock(),
+        outputs=Outputs(event_tape_path=tape),
+        log=KeyValueLog(io.StringIO()),
+    )
+    await driver.dispatch(TimerFired("x"))
+    driver.close()
+    return driver
+
+
+def run_within(seconds: float, test: Callable[[], Awaitable[None]]) -> None:
+    """Like :func:`run`, but a test that blocks the event loop itself fails instead of hanging."""
+    failures: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            run(test)
+        except BaseException as exc:
+            failures.append(exc)
+
+    driving = threading.Thread(target=body, daemon=True)
+    driving.start()
+    driving.join(seconds)
+    assert not driving.is_alive(), f"still blocked after {seconds} s"
+    if failures:
+        raise failures[0]
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
 def test_a_fifo_tape_is_written_without_waiting_for_a_second_writer(tmp_path: Path) -> None:
     # The torn-line check opened the tape to read it: on a FIFO that waits for a writer, and
@@ -265,21 +297,9 @@ def test_a_fifo_tape_is_written_without_waiting_for_a_second_writer(tmp_path: Pa
     reader.start()
 
     async def scenario() -> None:
-        driver = Driver(
-            Scripted([AppendTape({"step": 1})]),
-            RecordingTransport(),
-            FakeClock(),
-            outputs=Outputs(event_tape_path=tape),
-            log=KeyValueLog(io.StringIO()),
-        )
-        await driver.dispatch(TimerFired("x"))
-        driver.close()
-        assert driver.exit is None
+        assert (await append_one(tape, {"step": 1})).exit is None
 
-    driving = threading.Thread(target=run, args=(scenario,), daemon=True)
-    driving.start()
-    driving.join(10)
-    assert not driving.is_alive(), "the driver waits on the FIFO"
+    run_within(10, scenario)
     reader.join(10)
     assert read == [b'{"step":1}\n']
 
@@ -290,21 +310,11 @@ def test_a_fifo_tape_without_a_reader_fails_the_run_at_once(tmp_path: Path) -> N
     os.mkfifo(tape)
 
     async def scenario() -> None:
-        driver = Driver(
-            Scripted([AppendTape({"step": 1})]),
-            RecordingTransport(),
-            FakeClock(),
-            outputs=Outputs(event_tape_path=tape),
-            log=KeyValueLog(io.StringIO()),
-        )
-        await driver.dispatch(TimerFired("x"))
+        driver = await append_one(tape, {"step": 1})
         assert driver.exit is not None and driver.exit.code == 1
         assert "cannot be opened" in driver.exit.reason, driver.exit.reason
 
-    driving = threading.Thread(target=run, args=(scenario,), daemon=True)
-    driving.start()
-    driving.join(10)
-    assert not driving.is_alive(), "the driver waits for a reader"
+    run_within(10, scenario)
 
 
 def test_a_tape_a_crash_cut_gets_its_later_lines_on_lines_of_their_own(tmp_path: Path) -> None:
@@ -312,16 +322,7 @@ def test_a_tape_a_crash_cut_gets_its_later_lines_on_lines_of_their_own(tmp_path:
     async def scenario() -> None:
         tape = tmp_path / "tape.jsonl"
         tape.write_bytes(b'{"step":1}\n{"step":2,"frag')
-        driver = Driver(
-            Scripted([AppendTape({"event": "resumed", "step": 1})]),
-            RecordingTransport(),
-            FakeClock(),
-            outputs=Outputs(event_tape_path=tape),
-            log=KeyValueLog(io.StringIO()),
-        )
-        await driver.dispatch(TimerFired("x"))
-        driver.close()
-        assert driver.exit is None
+        assert (await append_one(tape, {"event": "resumed", "step": 1})).exit is None
         lines = tape.read_text(encoding="utf-8").splitlines()
         assert lines == ['{"step":1}', '{"step":2,"frag', '{"event":"resumed","step":1}']
 
