@@ -108,6 +108,8 @@ FLAG_NOTES = {
     "Normal": "An ordinary, typical case.",
     "OutOfOrder": "CHUNKs arrive in another order than they were sent.",
     "Pipeline": "A later round completed before a lower one and waits for its commit.",
+    "Sends": "The test states the exact frames the syncer queues in response to an event "
+    "(sends): to which groups, in which order per group, and nothing else.",
     "Padding": "The last q4 block is zero-padded to 256 values.",
     "ProfileHash": "HELLO carries the optional 32-byte syncer profile hash.",
     "Reconnect": "The connection group drops and the learner redials with a new generation "
@@ -4188,6 +4190,250 @@ def acceptance(
     return test
 
 
+# -- what the syncer sends (sends) ---------------------------------------------------------------
+
+#: The syncer of the sends groups: PUSH_SYNCER with an outer step that is exact by construction.
+#: --outer-lr 1, --outer-momentum 0, --delta-correction none, --learner-weight equal: with both
+#: learners pushing the same delta d, the avg merge is Δ = f32(0.5·(−d)) + f32(0.5·(−d)) = −d
+#: exactly, buf' = 0·buf + Δ = Δ, and Θ' = Θ − 1·(0·buf' + Δ) = f32(Θ + d): one f32 addition.
+SENDS_SYNCER = replace(
+    PUSH_SYNCER, outer_lr=1.0, outer_momentum=0.0, delta_correction="none", learner_weight="equal"
+)
+
+
+def init_values(fragment_id: int) -> F32Array:
+    """The values init_event(fragment_id) carries."""
+    return sample_values(
+        f"push acceptance: INIT of fragment {fragment_id}", PUSH_NUMELS[fragment_id]
+    )
+
+
+def round_delta(step: int) -> F32Array:
+    """The delta d every learner pushes for round ``step`` in the sends groups."""
+    fragment = (step - 1) % len(PUSH_NUMELS)
+    return sample_values(
+        f"sends: the delta of round {step}, the same from every learner", PUSH_NUMELS[fragment]
+    )
+
+
+def same_push(learner_id: int, generation: int, step: int, *, attempt: int = 1) -> bytes:
+    """Learner ``learner_id``'s PUSH for round ``step`` (base_version 0) carrying round_delta."""
+    del generation  # the frame does not name it; the script event does
+    built, _ = push_fragment(
+        f32_bytes(round_delta(step)),
+        learner_id=learner_id,
+        fragment_id=(step - 1) % len(PUSH_NUMELS),
+        global_step=step,
+        round_attempt=attempt,
+        base_version=0,
+        local_step=24 * step,
+        c_steps=24,
+        c_tokens=24 * 512,
+    )
+    return built
+
+
+def same_push_event(learner_id: int, generation: int, step: int, **kwargs: Any) -> Json:
+    return frame_event(learner_id, generation, same_push(learner_id, generation, step, **kwargs))
+
+
+def round_1_params() -> F32Array:
+    """Fragment 0 after round 1 commits in a sends group: f32(Θ + d), computed here in f32."""
+    values: F32Array = (init_values(0) + round_delta(1)).astype(np.float32)
+    assert values.dtype == np.float32 and np.isfinite(values).all()
+    return values
+
+
+def bcast(fragment_id: int, version: int, values: F32Array) -> str:
+    return versioned_fragment(BCAST_FRAGMENT, fragment_id, version, f32_bytes(values))[0].hex()
+
+
+def final_fragment(fragment_id: int, version: int, values: F32Array) -> str:
+    return versioned_fragment(FINAL_FRAGMENT, fragment_id, version, f32_bytes(values))[0].hex()
+
+
+def pull(step: int, attempt: int = 1) -> str:
+    return pull_req((step - 1) % len(PUSH_NUMELS), step, attempt)[0].hex()
+
+
+def sends(per_group: dict[tuple[int, int], list[str]]) -> list[Json]:
+    """The sends field: per destination group, the frames it is queued, in order."""
+    return [
+        {"id": key[0], "generation": key[1], "frames": frames}
+        for key, frames in sorted(per_group.items())
+    ]
+
+
+def with_sends(event_or_test: Json, per_group: dict[tuple[int, int], list[str]]) -> Json:
+    """``event_or_test`` with its sends field (a copy: scripts share their events)."""
+    return {**event_or_test, "sends": sends(per_group)}
+
+
+#: Both learners' BCASTs of every fragment at version 0, then the PULLs of rounds 1 and 2.
+START_SENDS = [bcast(0, 0, init_values(0)), bcast(1, 0, init_values(1)), pull(1), pull(2)]
+
+
+def sends_tests() -> list[Json]:
+    """Commit BCASTs, launch PULLs and catch-up BCASTs under SENDS_SYNCER (total_steps 1000)."""
+    theta = round_1_params()
+    committed = [bcast(0, 1, theta), pull(3)]
+    superseded = [
+        *START,
+        with_sends(member_hello(0, 2), {(0, 2): START_SENDS[:2]}),
+        same_push_event(0, 1, 1),
+    ]
+    return [
+        with_sends(
+            acceptance(
+                "learner 1 completes round 1: the commit BCASTs fragment 0 at version 1 "
+                "(f32(Θ + d)) to both learners, then round 3 launches and PULLs both",
+                [*START, same_push_event(0, 1, 1)],
+                (1, 1),
+                same_push(1, 1, 1),
+                "accepted",
+                "Sends",
+                staleness=0,
+            ),
+            {(0, 1): committed, (1, 1): committed},
+        ),
+        with_sends(
+            acceptance(
+                "learner 0's PUSH for round 1 is accepted, learner 1's is awaited: nothing is sent",
+                START,
+                (0, 1),
+                same_push(0, 1, 1),
+                "accepted",
+                "Sends",
+                staleness=0,
+            ),
+            {},
+        ),
+        with_sends(
+            acceptance(
+                "generation 2 of learner 0 became ready (its catch-up BCASTs), the superseded "
+                "(0, 1) answered round 1, learner 1 completes it: the commit BCAST and round 3's "
+                "PULL go to the current generations (0, 2) and (1, 1), none to (0, 1)",
+                superseded,
+                (1, 1),
+                same_push(1, 1, 1),
+                "accepted",
+                "Sends",
+                "NewGeneration",
+                staleness=0,
+            ),
+            {(0, 2): committed, (1, 1): committed},
+        ),
+        with_sends(
+            acceptance(
+                "learner 1 completes round 2 while round 1 is in flight: round 2 waits for its "
+                "commit, nothing is sent",
+                [*START, same_push_event(0, 1, 2)],
+                (1, 1),
+                same_push(1, 1, 2),
+                "accepted",
+                "Sends",
+                "Pipeline",
+                staleness=0,
+            ),
+            {},
+        ),
+        with_sends(
+            acceptance(
+                "generation 2 of learner 0 became ready, then round 1's quorum deadline passed "
+                "with no answer: attempt 2 PULLs its members (0, 2) and (1, 1), not (0, 1); "
+                "(0, 2)'s answer to attempt 2 sends nothing",
+                [
+                    *START,
+                    with_sends(member_hello(0, 2), {(0, 2): START_SENDS[:2]}),
+                    with_sends(deadline_event(1), {(0, 2): [pull(1, 2)], (1, 1): [pull(1, 2)]}),
+                ],
+                (0, 2),
+                same_push(0, 2, 1, attempt=2),
+                "accepted",
+                "Sends",
+                "Retry",
+                "NewGeneration",
+                staleness=0,
+            ),
+            {},
+        ),
+        with_sends(
+            acceptance(
+                "round 1 committed, then generation 2 of learner 0 became ready: its catch-up "
+                "BCASTs carry fragment 0 at version 1 and fragment 1 at version 0; learner 1's "
+                "answer to round 2 sends nothing",
+                [
+                    *START,
+                    same_push_event(0, 1, 1),
+                    same_push_event(1, 1, 1),
+                    with_sends(member_hello(0, 2), {(0, 2): [bcast(0, 1, theta), START_SENDS[1]]}),
+                ],
+                (1, 1),
+                same_push(1, 1, 2),
+                "accepted",
+                "Sends",
+                "NewGeneration",
+                staleness=0,
+            ),
+            {},
+        ),
+    ]
+
+
+def final_sends_tests() -> list[Json]:
+    """The final cut's frames under SENDS_SYNCER with total_steps 1."""
+    theta = round_1_params()
+    cut = [
+        final_fragment(0, 1, theta),
+        final_fragment(1, 0, init_values(1)),
+        final_manifest(1, [1, 0])[0].hex(),
+    ]
+    start = [*START_SENDS[:2], pull(1)]  # total_steps 1: round 1 is the only round
+    started = [*START[:3], with_sends(START[3], {(0, 1): start, (1, 1): start})]
+    committed = [bcast(0, 1, theta), *cut]
+    return [
+        with_sends(
+            acceptance(
+                "--total-steps 1: the session start PULLs round 1 only; learner 1 completes it: "
+                "the commit BCAST, then the final cut's FINAL_FRAGMENTs and FINAL_MANIFEST, to "
+                "both learners",
+                [*started, same_push_event(0, 1, 1)],
+                (1, 1),
+                same_push(1, 1, 1),
+                "accepted",
+                "Sends",
+                "Final",
+                staleness=0,
+            ),
+            {(0, 1): committed, (1, 1): committed},
+        ),
+        with_sends(
+            acceptance(
+                "after the final cut generation 2 of learner 0 (a frozen learner) became ready: "
+                "its catch-up BCASTs, then the cut; its PUSH for the committed round 1 is out of "
+                "round",
+                [
+                    *started,
+                    same_push_event(0, 1, 1),
+                    same_push_event(1, 1, 1),
+                    with_sends(
+                        member_hello(0, 2),
+                        {(0, 2): [bcast(0, 1, theta), START_SENDS[1], *cut]},
+                    ),
+                ],
+                (0, 2),
+                same_push(0, 2, 1),
+                "rejected",
+                "Sends",
+                "Final",
+                "NewGeneration",
+                code="PUSH_OUT_OF_ROUND",
+            ),
+            {},
+        ),
+    ]
+
+
 def push_acceptance_file() -> Json:
     superseded = [*START, member_hello(0, 2)]
     rounds_1_to_3 = [*START, *commit(1), *commit(2), *commit(3)]
@@ -4591,6 +4837,8 @@ def push_acceptance_file() -> Json:
             "group is closed, no PUSH is rejected), then receives push from sender: accepted,",
             "rejected with code (dropped, a push_rejected tape line, the connection stays open),",
             "or fatal with code (ERROR on the sender's group, which closes). Time stands still.",
+            "Where a test or a script event has sends, the syncer queues exactly those frames in",
+            "response to it (the PUSH, or that event), in that order per group, and nothing else.",
         ],
         [
             push_acceptance_group(PUSH_SYNCER, tests),
@@ -4598,6 +4846,8 @@ def push_acceptance_file() -> Json:
             push_acceptance_group(BUDGET_SYNCER, budgeted),
             push_acceptance_group(GRACE_SYNCER, graced),
             push_acceptance_group(replace(GRACE_SYNCER, grace_ms=0), no_grace),
+            push_acceptance_group(SENDS_SYNCER, sends_tests()),
+            push_acceptance_group(replace(SENDS_SYNCER, total_steps=1), final_sends_tests()),
         ],
     )
 
@@ -4848,14 +5098,104 @@ def syncer_session_file() -> Json:
             "normally, as in push_acceptance.json), then receives frame from sender: accepted",
             "(it takes effect), ignored (nothing changes), finalized (the last FINAL_ACK awaited:",
             "SHUTDOWN to every group whose ACK stands, exit 0), or fatal with code (ERROR on the",
-            "sender's group, which closes). Time stands still.",
+            "sender's group, which closes). Time stands still. Where a test or a script event has",
+            "sends, the syncer queues exactly those frames in response to it (the frame, or that",
+            "event), in that order per group, and nothing else.",
         ],
         [
             syncer_session_group(PUSH_SYNCER, rules),
             syncer_session_group(BUDGET_SYNCER, budgeted),
             syncer_session_group(replace(PUSH_SYNCER, total_steps=2), finalizing),
+            syncer_session_group(PUSH_SYNCER, session_sends_tests()),
         ],
     )
+
+
+def session_sends_tests() -> list[Json]:
+    """The session start's and the catch-up BCASTs and PULLs, and INITs that send nothing."""
+    hello_0, hello_1 = member_hello(0, 1), member_hello(1, 1)
+    init_1 = bytes.fromhex(init_event(1)["hex"])
+    return [
+        with_sends(
+            session_test(
+                "both learners are connected and fragment 0 is held; the INIT of fragment 1 "
+                "starts the session: every fragment at version 0 to both, then the PULLs of "
+                "rounds 1 and 2",
+                [hello_0, hello_1, init_event(0)],
+                (0, 1),
+                init_1,
+                "accepted",
+                "Sends",
+            ),
+            {(0, 1): START_SENDS, (1, 1): START_SENDS},
+        ),
+        with_sends(
+            session_test(
+                "learner 1 became ready after fragment 0 was initialized and received it as a "
+                "catch-up; at the start it gets only fragment 1, learner 0 both",
+                [hello_0, init_event(0), with_sends(hello_1, {(1, 1): START_SENDS[:1]})],
+                (0, 1),
+                init_1,
+                "accepted",
+                "Sends",
+            ),
+            {(0, 1): START_SENDS, (1, 1): START_SENDS[1:]},
+        ),
+        with_sends(
+            session_test(
+                "an INIT before the session starts sends nothing, even to groups already ready",
+                [hello_0, with_sends(hello_1, {})],
+                (0, 1),
+                bytes.fromhex(init_event(0)["hex"]),
+                "accepted",
+                "Sends",
+            ),
+            {},
+        ),
+        with_sends(
+            session_test(
+                "every fragment was held when learner 1 became ready: its catch-up BCASTs, and "
+                "the start (all M connected) sends learner 0 both fragments and the PULLs to "
+                "both; learner 1's HEARTBEAT then sends nothing",
+                [
+                    hello_0,
+                    init_event(0),
+                    init_event(1),
+                    with_sends(hello_1, {(0, 1): START_SENDS, (1, 1): START_SENDS}),
+                ],
+                (1, 1),
+                heartbeat(1, 5)[0],
+                "ignored",
+                "Sends",
+            ),
+            {},
+        ),
+        with_sends(
+            session_test(
+                "a repeated INIT of a held fragment after the start sends nothing",
+                START,
+                (0, 1),
+                session_init(0, "a repeated INIT of fragment 0"),
+                "ignored",
+                "Sends",
+            ),
+            {},
+        ),
+        with_sends(
+            session_test(
+                "generation 2 of learner 0 became ready after the start: its catch-up BCASTs of "
+                "both fragments at version 0, no PULL (rounds 1 and 2 fill the pipeline); its "
+                "HEARTBEAT sends nothing",
+                [*START, with_sends(member_hello(0, 2), {(0, 2): START_SENDS[:2]})],
+                (0, 2),
+                heartbeat(0, 5)[0],
+                "ignored",
+                "Sends",
+                "NewGeneration",
+            ),
+            {},
+        ),
+    ]
 
 
 def syncer_session_group(syncer: Profile, tests: list[Json]) -> Json:

@@ -1028,8 +1028,23 @@ def rejected_tape(actions: list[Action]) -> list[dict[str, Any]]:
     ]
 
 
+def check_sends(actions: list[Action], expected: list[Json] | None) -> None:
+    """The frames ``actions`` queue are exactly ``expected`` (a ``sends`` field): per group, in
+    that order; across groups in any order; nothing to any other group. ``None``: unchecked."""
+    if expected is None:
+        return
+    want = {GroupKey(e["id"], e["generation"]): e["frames"] for e in expected}
+    assert len(want) == len(expected), "sends names each group once"
+    got: dict[GroupKey, list[str]] = {}
+    for action in actions:
+        if isinstance(action, Send):
+            got.setdefault(action.group, []).append(encode_bytes(action.message).hex())
+    assert got == want, (got, want)
+
+
 def run_script(config: SyncerConfig, script: list[Json]) -> Coordinator:
-    """A coordinator that has handled ``script`` (all at time 0), each event normally."""
+    """A coordinator that has handled ``script`` (all at time 0), each event normally, each
+    queueing exactly its ``sends`` if it has them."""
     coordinator = Coordinator(config)
     timers: dict[str, str] = {}  # "quorum:<step>" -> the latest quorum timer key of that step
     conn = 0
@@ -1065,6 +1080,7 @@ def run_script(config: SyncerConfig, script: list[Json]) -> Coordinator:
             actions,
         )
         assert not rejected_tape(actions), (event, actions)
+        check_sends(actions, event.get("sends"))
         for action in actions:
             if isinstance(action, SetTimer) and action.key.startswith("quorum:"):
                 timers[action.key.rsplit(":", 1)[0]] = action.key
@@ -1105,6 +1121,7 @@ def test_push_acceptance(case: Case) -> None:
     coordinator, sender, push = scripted_case(case, "push")
     assert isinstance(push, PushFragment)
     actions = coordinator.handle(MessageReceived(sender, push), 0.0)
+    check_sends(actions, case.test.get("sends"))
     tape_lines = rejected_tape(actions)
     if case.result == "fatal":
         assert not tape_lines, actions
@@ -1157,6 +1174,7 @@ def test_syncer_session(case: Case) -> None:
     coordinator, sender, message = scripted_case(case, "frame")
     before = held_fragments(coordinator)
     actions = coordinator.handle(MessageReceived(sender, message), 0.0)
+    check_sends(actions, case.test.get("sends"))
     if case.result == "fatal":
         assert_closed_with(coordinator, actions, sender, case.code)
         assert not any(isinstance(a, AppendTape | Exit) for a in actions), actions
