@@ -6,6 +6,7 @@ import json
 import os
 import resource
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -237,6 +238,23 @@ def test_export_safetensors_is_bit_exact(
         metadata = handle.metadata()
     assert metadata["layout_fingerprint"] == model_layout().fingerprint().hex()
     assert (metadata["global_step"], metadata["iso_backend"]) == ("4", "torch-svd")
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.pt"])
+def test_an_export_gets_the_mode_of_any_new_file(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path, name: str
+) -> None:
+    # safetensors writes a private temporary file: its 0600 made the export unreadable to others
+    umask = os.umask(0o022)
+    try:
+        out = tmp_path / name
+        code, _, err = run(
+            capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
+        )
+        assert code == 0, err
+        assert stat.S_IMODE(out.stat().st_mode) == 0o644
+    finally:
+        os.umask(umask)
 
 
 def test_export_torch_state_dict_is_bit_exact(

@@ -254,6 +254,12 @@ def _save_safetensors(exported: ExportedTensors, staging: Path) -> None:
         save_file(exported.tensors, os.fspath(staging), metadata=exported.metadata)
     except SafetensorError as exc:
         raise OSError(str(exc)) from exc
+    # safetensors writes through a private temporary file (mode 0600); the export gets the
+    # mode any new file of this user gets, as the .pt export and every other yeto file do.
+    # Reading the umask sets it for a moment: fine in this single-threaded command.
+    umask = os.umask(0o077)
+    os.umask(umask)
+    os.chmod(staging, 0o666 & ~umask)
 
 
 def _save_torch(exported: ExportedTensors, staging: Path) -> None:
