@@ -221,9 +221,8 @@ def run_export(args: argparse.Namespace) -> int:
     try:
         exported = export_tensors(checkpoint, layout, legacy)
     except CheckpointError as exc:  # the pair disagrees: name both files, as every error line does
-        reason = exc.detail.removeprefix(f"{exc.section}: ") if exc.section else exc.detail
         raise CheckpointError(
-            exc.code, f"{reason} (file {args.path}, layout {args.layout})", section=exc.section
+            exc.code, f"{exc.reason} (file {args.path}, layout {args.layout})", section=exc.section
         ) from None
     if not out.parent.is_dir():
         raise CheckpointError(ErrorCode.CKPT_IO, f"no such directory (file {out})", section="write")

@@ -494,9 +494,8 @@ def _summarize(
     try:
         _summary(views, paths, args, rounds, elapsed)
     except CheckpointError as exc:
-        reason = exc.detail.removeprefix(f"{exc.section}: ")
         print(
-            f"yeto launch: failed: the summary was not written: {reason}; "
+            f"yeto launch: failed: the summary was not written: {exc.reason}; "
             f"kept: {_syncer_kept(paths)}; {_artifacts_kept(paths, args.learners)}",
             file=sys.stderr,
         )

@@ -906,5 +906,5 @@ def _write_text_atomically(path: Path, text: str) -> None:
 def _write_failure(exc: OSError | CheckpointError, directory: Path) -> str:
     """``<errno text> (file <path>)`` for a failed artifact write."""
     if isinstance(exc, CheckpointError):  # the atomic writer's CKPT_IO already says both
-        return exc.detail.removeprefix(f"{exc.section}: ")
+        return exc.reason
     return f"{exc.strerror or exc} (file {exc.filename or directory})"

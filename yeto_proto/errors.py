@@ -147,8 +147,13 @@ class RemoteProtocolError(ProtocolError):
 
 
 class CheckpointError(RemoteProtocolError):
-    """A checkpoint or marker file failed validation; ``section`` names where."""
+    """A checkpoint or marker file failed validation; ``section`` names where.
+
+    ``detail`` is ``"<section>: <reason>"``; ``reason`` alone is for a caller that words the
+    line itself (an I/O failure: the errno text and the file).
+    """
 
     def __init__(self, code: ErrorCode, detail: str = "", *, section: str = "") -> None:
         self.section = section
+        self.reason = detail
         super().__init__(code, f"{section}: {detail}" if section else detail)
