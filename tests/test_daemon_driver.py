@@ -28,7 +28,7 @@ from yeto_proto.checkpoint import (
     marker_state,
     read_checkpoint,
 )
-from yeto_sync.driver import Driver, KeyValueLog, Outputs
+from yeto_sync.driver import CheckpointKind, Driver, KeyValueLog, Outputs
 from yeto_sync.events import (
     Action,
     AppendTape,
@@ -125,7 +125,10 @@ def test_a_checkpoint_is_durable_before_the_send_that_follows_it(tmp_path: Path)
         await driver.dispatch(TimerFired("b"))
         assert transport.calls == [("send", 8), ("send", 16)]
         assert driver.last_checkpoint is not None
-        assert (driver.last_checkpoint.global_step, driver.last_checkpoint.final) == (16, True)
+        assert (driver.last_checkpoint.global_step, driver.last_checkpoint.kind) == (
+            16,
+            CheckpointKind.FINAL,
+        )
 
     run(scenario)
 
@@ -382,7 +385,9 @@ def test_a_final_marker_that_does_not_fit_leaves_no_marker(
             f"(file {path}.final)"
         )
         kept = driver.last_checkpoint
-        assert kept is not None and kept.final and kept.unmarked  # the last line says so
+        assert (
+            kept is not None and kept.kind is CheckpointKind.FINAL_UNMARKED
+        )  # the last line says so
         assert read_checkpoint(path).global_step == 12
         assert marker_state(path, 12).status.name == "ABSENT"
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.bin"]  # nor a temp file

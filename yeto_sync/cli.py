@@ -35,7 +35,7 @@ from yeto_proto.identity import DeltaCorrection, LearnerWeight, hello_key_of_fil
 
 from .config import DEFAULT_HOST, DEFAULT_PORT, SyncerConfig
 from .coordinator import Coordinator
-from .driver import Driver, DurableCheckpoint, KeyValueLog, Outputs
+from .driver import CheckpointKind, Driver, DurableCheckpoint, KeyValueLog, Outputs
 from .events import Exit
 from .help_format import HelpFormatter
 from .iso import IsoPoolSettings, IsoWorkerPool
@@ -395,7 +395,7 @@ def _start_and_serve(args: argparse.Namespace) -> int:
             None
             if checkpoint is None or config.checkpoint_path is None
             else DurableCheckpoint(
-                config.checkpoint_path, checkpoint.global_step, final=False, resumed=True
+                config.checkpoint_path, checkpoint.global_step, CheckpointKind.RESUMED
             )
         )
         exit_action, kept = anyio.run(
@@ -556,16 +556,4 @@ async def _stop_on_signal(
 
 def _kept_state(driver: Driver) -> str:
     kept = driver.last_checkpoint
-    if kept is None:
-        return "no checkpoint was written"
-    if kept.resumed:
-        return f"the checkpoint it resumed from, {kept.path} at global_step {kept.global_step}"
-    if kept.recovery:
-        kind = "recovery checkpoint (unmarked: not a final cut)"
-    elif kept.final and kept.unmarked:
-        kind = "final checkpoint (unmarked: its .final marker was not written)"
-    elif kept.final:
-        kind = "final checkpoint"
-    else:
-        kind = "last durable checkpoint"
-    return f"{kind} {kept.path} at global_step {kept.global_step}"
+    return "no checkpoint was written" if kept is None else kept.describe()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import enum
 import json
 import os
 import stat
@@ -178,16 +179,29 @@ class Outputs:
     event_tape_path: Path | None = None
 
 
+class CheckpointKind(enum.Enum):
+    """What a durable checkpoint on disk is, as the daemon's last line names it."""
+
+    #: The ``--resume`` checkpoint, which this run has not replaced yet.
+    RESUMED = "the checkpoint it resumed from"
+    PERIODIC = "last durable checkpoint"
+    FINAL = "final checkpoint"
+    #: A final checkpoint whose ``.final`` marker was requested but could not be written.
+    FINAL_UNMARKED = "final checkpoint (unmarked: its .final marker was not written)"
+    #: A budget cutoff's terminal checkpoint, deliberately left without a marker.
+    RECOVERY = "recovery checkpoint (unmarked: not a final cut)"
+
+
 @dataclass(frozen=True, slots=True)
 class DurableCheckpoint:
     path: Path
     global_step: int
-    final: bool
-    recovery: bool = False
-    #: The ``--resume`` checkpoint, which this run has not replaced yet.
-    resumed: bool = False
-    #: A final checkpoint whose ``.final`` marker was requested but could not be written.
-    unmarked: bool = False
+    kind: CheckpointKind
+
+    def describe(self) -> str:
+        if self.kind is CheckpointKind.RESUMED:
+            return f"{self.kind.value}, {self.path} at global_step {self.global_step}"
+        return f"{self.kind.value} {self.path} at global_step {self.global_step}"
 
 
 class Driver:
@@ -446,7 +460,14 @@ class Driver:
         if not await self._iso_pool_allows("checkpoint"):
             return
         if await self._write_file("checkpoint", write_checkpoint, path, state):
-            self.last_checkpoint = DurableCheckpoint(path, state.global_step, final, recovery)
+            kind = (
+                CheckpointKind.RECOVERY
+                if recovery
+                else CheckpointKind.FINAL
+                if final
+                else CheckpointKind.PERIODIC
+            )
+            self.last_checkpoint = DurableCheckpoint(path, state.global_step, kind)
             self._log(
                 "info",
                 "checkpoint written",
@@ -460,8 +481,10 @@ class Driver:
             return
         if await self._write_file("final marker", write_final_marker, path, global_step):
             self._log("info", "final marker written", {"global_step": global_step})
-        elif self.last_checkpoint is not None and self.last_checkpoint.final:
-            self.last_checkpoint = dataclasses.replace(self.last_checkpoint, unmarked=True)
+        elif self.last_checkpoint is not None and self.last_checkpoint.kind is CheckpointKind.FINAL:
+            self.last_checkpoint = dataclasses.replace(
+                self.last_checkpoint, kind=CheckpointKind.FINAL_UNMARKED
+            )
 
     async def _write_final_state(self, state: object) -> None:
         path = self.outputs.final_state_path
