@@ -93,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--learners", type=int, required=True, help="M: learner ids are 0..M-1 (required)"
     )
     rounds.add_argument(
-        "--total-steps", type=int, required=True, help="ordinary rounds to run (required)"
+        "--total-steps",
+        type=int,
+        required=True,
+        help="the last round t (absolute: a resumed run goes on up to it) (required)",
     )
     rounds.add_argument("--quorum", type=int, default=1, help="K: responses a round needs")
     rounds.add_argument(
