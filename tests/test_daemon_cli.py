@@ -168,7 +168,8 @@ def test_a_checkpoint_no_hello_could_resume_is_refused_at_start(tmp_path: Path, 
     )
     assert result.returncode == 2
     (line,) = result.stderr.splitlines()
-    assert line.startswith("yeto-sync: error: --resume: ") and words in line
+    assert line.startswith(f"yeto-sync: error: --resume: {checkpoint}: CKPT_RESUME_INELIGIBLE: ")
+    assert words in line
 
 
 @pytest.mark.parametrize("signals", [1, 2])

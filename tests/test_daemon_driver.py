@@ -27,6 +27,7 @@ from yeto_proto.checkpoint import (
     atomic,
     marker_state,
     read_checkpoint,
+    write_final_marker,
 )
 from yeto_sync.driver import CheckpointKind, Driver, KeyValueLog, Outputs
 from yeto_sync.events import (
@@ -385,12 +386,66 @@ def test_a_final_marker_that_does_not_fit_leaves_no_marker(
             f"(file {path}.final)"
         )
         kept = driver.last_checkpoint
-        assert (
-            kept is not None and kept.kind is CheckpointKind.FINAL_UNMARKED
-        )  # the last line says so
+        # the last line says so
+        assert kept is not None and kept.kind is CheckpointKind.FINAL_UNMARKED
         assert read_checkpoint(path).global_step == 12
         assert marker_state(path, 12).status.name == "ABSENT"
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.bin"]  # nor a temp file
+
+    run(scenario)
+
+
+def periodic_writes_driver(tmp_path: Path, steps: Sequence[int]) -> tuple[Driver, io.StringIO]:
+    """A driver whose events each write a periodic checkpoint at the next of ``steps``."""
+    log = io.StringIO()
+    coordinator = Scripted(*([WriteCheckpoint(checkpoint_at(step), final=False)] for step in steps))
+    driver = Driver(
+        coordinator,
+        RecordingTransport(),
+        FakeClock(),
+        outputs=Outputs(checkpoint_path=tmp_path / "ckpt.bin"),
+        log=KeyValueLog(log),
+    )
+    return driver, log
+
+
+def test_a_marker_left_beside_a_resumed_checkpoint_goes_before_the_first_replacement(
+    tmp_path: Path,
+) -> None:
+    """A marker naming step 6 beside a checkpoint at 4 (a hand-restored older checkpoint, say):
+    the resumed run's periodic checkpoint at 6 must not read as a final cut."""
+
+    async def scenario() -> None:
+        driver, log = periodic_writes_driver(tmp_path, [6, 7])
+        path = tmp_path / "ckpt.bin"
+        write_final_marker(path, 6)
+        await driver.dispatch(TimerFired("x"))
+        assert driver.exit is None
+        assert read_checkpoint(path).global_step == 6
+        assert marker_state(path, 6).status.name == "ABSENT"
+        assert "final marker of the replaced checkpoint removed" in log.getvalue()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.bin"]
+        # Looked for once: the next write does not look (or log) again.
+        await driver.dispatch(TimerFired("y"))
+        assert read_checkpoint(path).global_step == 7
+        assert log.getvalue().count("final marker") == 1
+
+    run(scenario)
+
+
+def test_a_marker_that_cannot_be_removed_fails_the_run_before_the_checkpoint_is_replaced(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        driver, _ = periodic_writes_driver(tmp_path, [6])
+        path = tmp_path / "ckpt.bin"
+        (tmp_path / "ckpt.bin.final").mkdir()  # unlink() cannot remove a directory
+        (tmp_path / "ckpt.bin.final" / "x").touch()
+        await driver.dispatch(TimerFired("x"))
+        assert driver.exit is not None and driver.exit.code == 1
+        assert driver.exit.reason.startswith("checkpoint write failed: CKPT_IO: remove: ")
+        assert f"(file {path}.final)" in driver.exit.reason
+        assert not path.exists() and driver.last_checkpoint is None
 
     run(scenario)
 

@@ -30,7 +30,7 @@ import anyio.abc
 from yeto_proto.checkpoint import Checkpoint, read_checkpoint, refusal_before_hello
 from yeto_proto.checkpoint.marker import marker_path
 from yeto_proto.constants import IsoBackend
-from yeto_proto.errors import ProtocolError
+from yeto_proto.errors import ErrorCode, ProtocolError
 from yeto_proto.identity import DeltaCorrection, LearnerWeight, hello_key_of_file
 
 from .config import DEFAULT_HOST, DEFAULT_PORT, SyncerConfig
@@ -314,7 +314,7 @@ def load_resume_checkpoint(config: SyncerConfig) -> Checkpoint | None:
     # What the first HELLO cannot change is refused now, with the reason it would give then.
     refusal = refusal_before_hello(checkpoint, config.iso_backend)
     if refusal is not None:
-        raise BadInput(f"--resume: {path}: {refusal}")
+        raise BadInput(f"--resume: {path}: {ErrorCode.CKPT_RESUME_INELIGIBLE.name}: {refusal}")
     return checkpoint
 
 

@@ -34,7 +34,12 @@ import anyio.to_thread
 import numpy as np
 
 from yeto_proto import ProtocolError
-from yeto_proto.checkpoint import Checkpoint, write_checkpoint, write_final_marker
+from yeto_proto.checkpoint import (
+    Checkpoint,
+    remove_final_marker,
+    write_checkpoint,
+    write_final_marker,
+)
 
 from .events import (
     Action,
@@ -257,6 +262,9 @@ class Driver:
         self.exit: Exit | None = None
         #: The last checkpoint known to be durable on disk.
         self.last_checkpoint: DurableCheckpoint | None = None
+        #: Whether a marker left beside the checkpoint was looked for (once, before this run's
+        #: first checkpoint write; afterwards only this run's own final marker can exist).
+        self._marker_cleared = False
 
     # -- one event ---------------------------------------------------------------------------
     async def dispatch(self, event: Event) -> None:
@@ -459,6 +467,8 @@ class Driver:
             raise TypeError(f"WriteCheckpoint carries {type(state).__name__}, not a Checkpoint")
         if not await self._iso_pool_allows("checkpoint"):
             return
+        if not await self._remove_stale_marker(path):
+            return
         if await self._write_file("checkpoint", write_checkpoint, path, state):
             kind = (
                 CheckpointKind.RECOVERY
@@ -514,6 +524,24 @@ class Driver:
                 return False  # a stop closed the pool: the stop ends the run, nothing is written
             await self._finish(self._fail(f"{what} not written: {exc}"))
             return False
+        return True
+
+    async def _remove_stale_marker(self, path: Path) -> bool:
+        """Before this run first replaces the checkpoint, remove a ``.final`` marker beside it:
+        one a resumed run found there describes the file being replaced, and could name the
+        step of a later periodic checkpoint, which would then read as a final cut."""
+        if self._marker_cleared:
+            return True
+        try:
+            removed = await anyio.to_thread.run_sync(remove_final_marker, path)
+        except ProtocolError as exc:
+            await self._finish(self._fail(f"checkpoint write failed: {exc}"))
+            return False
+        self._marker_cleared = True
+        if removed:
+            self._log(
+                "warning", "final marker of the replaced checkpoint removed", {"path": str(path)}
+            )
         return True
 
     async def _write_file(self, what: str, writer: Callable[..., object], *args: object) -> bool:

@@ -16,6 +16,7 @@ from .marker import (
     marker_path,
     marker_state,
     parse_final_marker,
+    remove_final_marker,
     write_final_marker,
 )
 from .model import (
@@ -66,6 +67,7 @@ __all__ = [
     "marker_path",
     "marker_state",
     "parse_final_marker",
+    "remove_final_marker",
     "read_checkpoint",
     "refusal_before_hello",
     "refusal_for_session",

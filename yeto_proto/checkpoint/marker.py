@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError, ErrorCode
-from .atomic import open_regular_file, write_bytes_atomically
+from .atomic import fsync_path, io_error, open_regular_file, write_bytes_atomically
 
 MARKER_SUFFIX = ".final"
 _HEADER = b"YETO_FINAL_V1\n"
@@ -53,6 +53,27 @@ def write_final_marker(checkpoint_path: str | os.PathLike[str], global_step: int
     path = marker_path(checkpoint_path)
     write_bytes_atomically(path, final_marker_bytes(global_step))
     return path
+
+
+def remove_final_marker(checkpoint_path: str | os.PathLike[str]) -> bool:
+    """Durably remove the checkpoint's marker, if there is one; True if there was.
+
+    Call it before the checkpoint file is replaced: a marker describes the file it sits beside,
+    and one left from before a resume could otherwise name the step of a later periodic
+    checkpoint and make it read as a final cut. ``OSError`` becomes ``CKPT_IO``.
+    """
+    path = marker_path(checkpoint_path)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise io_error(path, exc, section="remove") from exc
+    try:
+        fsync_path(path.parent)
+    except OSError as exc:
+        raise io_error(path, exc, section="remove") from exc
+    return True
 
 
 class MarkerStatus(enum.Enum):
