@@ -176,6 +176,16 @@ LEDGER = ((0, 7, 168, 43008), (2, 5, 120, 30720))
 V3_FULL = Ckpt(3, 7, _three_fragments(), LEDGER, iso_backend=1)
 V2_FULL = Ckpt(2, 7, _three_fragments(), LEDGER, iso_backend=1)
 V1_PLAIN = Ckpt(1, 7, _three_fragments(), LEDGER, trailer_bytes=0)
+#: Two fragments at global_step 2, the first one long (8 values).
+V3_LONG_FIRST = Ckpt(
+    3,
+    2,
+    (
+        Fragment(1, f32([float(i) for i in range(8)]), f32([0.5] * 8)),
+        Fragment(2, f32([-1.0, 1.0]), f32([0.0, 0.25])),
+    ),
+    LEDGER[:1],
+)
 
 SPECIALS = f32(
     [-0.0, "7f800000", "ff800000", "7fc12345", "7f800001", "00000001", "7f7fffff", "80800000"]
@@ -380,6 +390,7 @@ def invalid_files() -> Iterator[Invalid]:
     for ident, numel, comment in (
         ("v3_numel_overflow", 1 << 61, "numel 2^61: 8*numel exceeds any file size"),
         ("v3_numel_u64_max", U64_MAX, "numel 2^64-1"),
+        ("v3_numel_2_pow_60", 1 << 60, "numel 2^60: 8*numel = 2^63, one past 2^63-1"),
     ):
         yield Invalid(
             ident,
@@ -396,6 +407,30 @@ def invalid_files() -> Iterator[Invalid]:
         encode(_with_numel(V3_FULL, 1 << 40)),
         "CKPT_TRUNCATED",
         "fragment 0",
+    )
+    yield Invalid(
+        "v3_numel_2_pow_60_minus_1",
+        "numel 2^60-1: 8*numel = 2^63-8 could fit a file, but not this one",
+        ["count"],
+        encode(_with_numel(V3_FULL, (1 << 60) - 1)),
+        "CKPT_TRUNCATED",
+        "fragment 0",
+    )
+    # Fragment 0 long enough that the fragment table's check passes at fragment 1's header.
+    yield from (
+        cut
+        for cut in truncations(
+            "v3_long_first_fragment", V3_LONG_FIRST, middles=["fragment 1 header"]
+        )
+        if "fragment 1 header" in cut.comment
+    )
+    yield Invalid(
+        "v2_iso_backend_2_cut",
+        "V2 with iso_backend 2, cut inside global_step: the cut prefix is found first",
+        ["truncated", "field", "CheckOrder"],
+        encode(replace(V2_FULL, iso_backend=2))[:9],
+        "CKPT_TRUNCATED",
+        "prefix",
     )
     yield Invalid(
         "v3_ledger_count_exceeds_file",
@@ -440,6 +475,29 @@ def invalid_files() -> Iterator[Invalid]:
         ["trailer"],
         encode(replace(V3_FULL, contract_tag=0x53435452)),
         "CKPT_BAD_TRAILER",
+        "trailer",
+    )
+    yield Invalid(
+        "v1_contract_tag_wrong",
+        "V1 with a 68-byte trailer whose contract tag is wrong",
+        ["trailer", "legacy"],
+        encode(replace(V1_PLAIN, trailer_bytes=68, contract_tag=0x53435452)),
+        "CKPT_BAD_TRAILER",
+        "trailer",
+    )
+    yield Invalid(
+        "v3_fingerprint_mismatch_and_tag_wrong",
+        "68-byte trailer with a foreign fingerprint and a wrong tag: read front to back, the "
+        "fingerprint is found first",
+        ["trailer", "fingerprint", "CheckOrder"],
+        encode(
+            replace(
+                V3_FULL,
+                trailer_fingerprint=OTHER_FINGERPRINT,
+                contract_tag=0x53435452,
+            )
+        ),
+        "CKPT_FINGERPRINT_TRAILER_MISMATCH",
         "trailer",
     )
     for length in (32, 68):
