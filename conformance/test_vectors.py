@@ -18,6 +18,7 @@ import itertools
 import json
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -79,7 +80,7 @@ from yeto_proto import (
     hello_mac,
     verify_hello,
 )
-from yeto_proto.checkpoint import load_layout
+from yeto_proto.checkpoint import Checkpoint, load_layout, read_checkpoint
 from yeto_proto.constants import FINALIZATION_REVISION
 from yeto_proto.dtypes import (
     all_finite,
@@ -109,6 +110,9 @@ from yeto_sync.events import (
     Send,
     SetTimer,
     TimerFired,
+    WriteCheckpoint,
+    WriteFinalMarker,
+    WriteFinalState,
 )
 
 Json = dict[str, Any]
@@ -1042,10 +1046,23 @@ def check_sends(actions: list[Action], expected: list[Json] | None) -> None:
     assert got == want, (got, want)
 
 
-def run_script(config: SyncerConfig, script: list[Json]) -> Coordinator:
-    """A coordinator that has handled ``script`` (all at time 0), each event normally, each
-    queueing exactly its ``sends`` if it has them."""
-    coordinator = Coordinator(config)
+def context_checkpoint(settings: Json) -> Checkpoint | None:
+    """The checkpoint a scripted group's syncer resumes from (its ``checkpoint``), if any."""
+    if "checkpoint" not in settings:
+        return None
+    assert settings["syncer_profile"]["resume"], "a checkpoint goes with --resume"
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "resume.ckpt"
+        path.write_bytes(bytes.fromhex(settings["checkpoint"]))
+        return read_checkpoint(path)
+
+
+def run_script(
+    config: SyncerConfig, script: list[Json], checkpoint: Checkpoint | None = None
+) -> Coordinator:
+    """A coordinator (resuming from ``checkpoint``, if given) that has handled ``script`` (all
+    at time 0), each event normally, each queueing exactly its ``sends`` if it has them."""
+    coordinator = Coordinator(config, checkpoint=checkpoint)
     timers: dict[str, str] = {}  # "quorum:<step>" -> the latest quorum timer key of that step
     conn = 0
     for event in script:
@@ -1092,7 +1109,7 @@ def scripted_case(case: Case, field: str) -> tuple[Coordinator, GroupKey, AnyMes
     frame under ``field`` decoded as that group's decoder would."""
     assert case.settings is not None
     config = profile_config(case.settings["syncer_profile"])
-    coordinator = run_script(config, case.test["script"])
+    coordinator = run_script(config, case.test["script"], context_checkpoint(case.settings))
     sender = GroupKey(case.test["sender"]["id"], case.test["sender"]["generation"])
     assert coordinator.registry.is_open(sender)
     session = coordinator.session
@@ -1170,7 +1187,8 @@ def held_fragments(coordinator: Coordinator) -> list[tuple[int, bytes | None, by
 def test_syncer_session(case: Case) -> None:
     """Run ``script`` through the coordinator, then ``frame`` from ``sender``: accepted (it
     takes effect), ignored (nothing changes), finalized (the last FINAL_ACK: SHUTDOWN, exit 0),
-    or fatal ``code`` (the sender's group closes)."""
+    cutoff (the last BUDGET_DONE: the recovery checkpoint, exit 0), or fatal ``code`` (the
+    sender's group closes)."""
     coordinator, sender, message = scripted_case(case, "frame")
     before = held_fragments(coordinator)
     actions = coordinator.handle(MessageReceived(sender, message), 0.0)
@@ -1179,6 +1197,19 @@ def test_syncer_session(case: Case) -> None:
         assert_closed_with(coordinator, actions, sender, case.code)
         assert not any(isinstance(a, AppendTape | Exit) for a in actions), actions
         assert held_fragments(coordinator) == before, "a refused frame changes no fragment"
+        return
+    if case.result == "cutoff":
+        assert isinstance(message, BudgetDone), "cutoff vectors are BUDGET_DONEs"
+        assert not any(isinstance(a, CloseGroup | Send) for a in actions), actions
+        assert not any(isinstance(a, WriteFinalMarker | WriteFinalState) for a in actions), actions
+        writes = [a for a in actions if isinstance(a, WriteCheckpoint)]
+        assert len(writes) == 1 and writes[0].recovery, actions
+        assert writes[0].state.global_step == coordinator.global_step
+        lines = [a.record for a in actions if isinstance(a, AppendTape)]
+        assert [line["event"] for line in lines] == ["budget_done", "budget_cutoff"], lines
+        assert lines[1]["complete"] and lines[1]["step"] == coordinator.global_step
+        assert [a.code for a in actions if isinstance(a, Exit)] == [0], actions
+        assert held_fragments(coordinator) == before, "the cutoff changes no fragment"
         return
     if case.result == "finalized":
         assert isinstance(message, FinalAck), "finalized vectors are FINAL_ACKs"
