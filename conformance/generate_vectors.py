@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
+import itertools
 import json
 import math
 import random
@@ -4434,6 +4435,287 @@ def final_sends_tests() -> list[Json]:
     ]
 
 
+# -- sends in bf16 and q4 sessions, rda and iso commits ----------------------------------------
+
+#: The rda tensors' delta: RDA_SCALE·(2, −2, 1, 0, …). ‖d‖ = 3·RDA_SCALE and every f64 sum of
+#: squares the rda merge forms is exact in any order, so the merge is exact by construction; and
+#: f32(0.5/‖d‖)·f32(‖d‖/‖dir‖) ≠ 1 for this scale, so rda's result differs from avg's (−d).
+RDA_SCALE = np.float32(0.1)
+#: The iso tensors' delta: −diag(0.75, −0.25, …). G = −d is diagonal, so its SVD is exact in any
+#: solver: σ̄ = 0.5 and Δ = 0.5·diag(1, −1) (spec/syncer.md § 7's golden, scaled).
+ISO_DIAGONAL = (0.75, -0.25)
+#: A zero outer momentum and a unit outer lr (SENDS_SYNCER), as the outer step reads them.
+MU, LR = np.float32(0.0), np.float32(1.0)
+
+
+def exact_delta(session: Session, step: int) -> F32Array:
+    """The delta every learner pushes for round ``step`` of ``session``: sample values in an avg
+    fragment, the structured deltas above in rda and iso fragments (exact in the PUSH dtype)."""
+    index = (step - 1) % len(session.numels)
+    fragment = session.layout.fragments[index]
+    if fragment.mode == AVG:
+        if session == S_F32:
+            return round_delta(step)  # what same_push carries
+        return sample_values(
+            f"sends {session.name}: the delta of round {step}", session.numels[index]
+        )
+    parts = []
+    for tensor in fragment.tensors:
+        values = np.zeros(tensor.numel, dtype=np.float32)
+        if fragment.mode == RDA:
+            pattern = np.array([2, -2, 1][: tensor.numel], dtype=np.float32) * RDA_SCALE
+            values[: len(pattern)] = pattern
+        else:
+            rows, cols = tensor.shape[0], tensor.numel // tensor.shape[0]
+            grid = values.reshape(rows, cols)
+            for i, sigma in enumerate(ISO_DIAGONAL[: min(rows, cols)]):
+                grid[i, i] = -sigma
+        parts.append(values)
+    return np.concatenate(parts).astype(np.float32)
+
+
+def pushed(session: Session, delta: F32Array) -> F32Array:
+    """What the syncer decodes from ``session.push_of(delta)``."""
+    if session.dtype == Q4:
+        return q4_decode(q4_encode(delta), len(delta))
+    return session.bulk_decoded(delta)
+
+
+def exact_sum_of_squares(values: F32Array) -> float:
+    """Σ values² in f64, checked to be the same in every summation order (the spec leaves the
+    order open, so the vectors use only sums that every order computes exactly)."""
+    squares = [float(v) * float(v) for v in values]
+    assert len(squares) <= 6, "orders are checked for short tensors only"
+    exact = math.fsum(squares)
+    for order in itertools.permutations(squares):
+        total = 0.0
+        for square in order:
+            total += square
+        assert total == exact, "the sum of squares depends on its order"
+    return exact
+
+
+def merged_delta(fragment: Fragment, delta: F32Array) -> F32Array:
+    """Δ of a round where both learners (equal weights) pushed ``delta`` (spec/syncer.md § 7)."""
+    negated = (-delta).astype(np.float32)
+    half = np.float32(1.0 / 2.0)  # c_m = f32(w_m / S)
+    avg: F32Array = (np.zeros_like(negated) + half * negated) + half * negated
+    assert avg.dtype == np.float32 and np.array_equal(avg, negated), "avg: exactly −d"
+    if fragment.mode == AVG:
+        return avg
+    out: F32Array = np.empty_like(avg)
+    start = 0
+    for tensor in fragment.tensors:
+        part, stop = negated[start : start + tensor.numel], start + tensor.numel
+        if fragment.mode == RDA:
+            norm = math.sqrt(exact_sum_of_squares(part))
+            radial = (1.0 * norm + 1.0 * norm) / 2.0
+            coefficient = np.float32(1.0 / 2.0 / norm)
+            direction = (np.zeros_like(part) + coefficient * part) + coefficient * part
+            direction_norm = math.sqrt(exact_sum_of_squares(direction))
+            assert direction_norm >= 1e-12
+            out[start:stop] = direction * np.float32(radial / direction_norm)
+        else:
+            rows, cols = tensor.shape[0], tensor.numel // tensor.shape[0]
+            grid = avg[start:stop].reshape(rows, cols).astype(np.float64)
+            diagonal = np.diag(grid)
+            assert np.array_equal(grid, np.diag(diagonal)) and np.all(diagonal != 0), "diagonal G"
+            mean = float(np.abs(diagonal).sum()) / min(rows, cols)
+            out[start:stop] = np.diag(mean * np.sign(diagonal)).astype(np.float32).reshape(-1)
+        start = stop
+    assert not np.array_equal(out, avg), "the vector tells this merge mode from avg"
+    return out
+
+
+class ExactRun:
+    """The global state of a sends group whose rounds commit exactly (SENDS_SYNCER: outer lr 1,
+    momentum 0, no correction, equal weights; both learners push exact_delta)."""
+
+    def __init__(
+        self,
+        session: Session,
+        params: Sequence[F32Array],
+        momentum: Sequence[F32Array] | None = None,
+        versions: Sequence[int] | None = None,
+    ) -> None:
+        self.session = session
+        self.params = [p.astype(np.float32) for p in params]
+        self.momentum = (
+            [np.zeros_like(p) for p in self.params]
+            if momentum is None
+            else [m.astype(np.float32) for m in momentum]
+        )
+        self.versions = [0] * len(params) if versions is None else list(versions)
+
+    def commit(self, step: int) -> None:
+        fragment = (step - 1) % len(self.params)
+        delta = merged_delta(
+            self.session.layout.fragments[fragment],
+            pushed(self.session, exact_delta(self.session, step)),
+        )
+        buf = MU * self.momentum[fragment] + delta
+        theta = self.params[fragment] - LR * (MU * buf + delta)
+        assert theta.dtype == np.float32 and np.isfinite(theta).all() and np.isfinite(buf).all()
+        self.params[fragment], self.momentum[fragment] = theta, buf
+        self.versions[fragment] = step
+
+    def bcast(self, fragment: int) -> str:
+        """The BCAST of the fragment's current version, in the session's bulk dtype."""
+        data = self.session.bulk_of(self.params[fragment])
+        return versioned_fragment(BCAST_FRAGMENT, fragment, self.versions[fragment], data)[0].hex()
+
+    def bcasts(self) -> list[str]:
+        return [self.bcast(fragment) for fragment in range(len(self.params))]
+
+    def cut(self, final_step: int) -> list[str]:
+        """Every FINAL_FRAGMENT (f32, whatever the session dtype), then FINAL_MANIFEST."""
+        finals = [
+            final_fragment(fragment, self.versions[fragment], self.params[fragment])
+            for fragment in range(len(self.params))
+        ]
+        return [*finals, final_manifest(final_step, self.versions)[0].hex()]
+
+
+def session_hello(session: Session, learner_id: int, generation: int) -> Json:
+    return {"event": "hello", "hex": session.hello_frame(learner_id, generation, 0).hex()}
+
+
+def session_init_values(session: Session, fragment_id: int) -> F32Array:
+    return sample_values(
+        f"sends {session.name}: INIT of fragment {fragment_id}", session.numels[fragment_id]
+    )
+
+
+def session_init_event(session: Session, fragment_id: int) -> Json:
+    data = session.bulk_of(session_init_values(session, fragment_id))
+    return frame_event(0, 1, init_params(fragment_id, data)[0])
+
+
+def initialized(session: Session) -> ExactRun:
+    """The state after learner 0's INITs: what the syncer decoded, at version 0."""
+    return ExactRun(
+        session,
+        [session.bulk_decoded(session_init_values(session, f)) for f in range(len(session.numels))],
+    )
+
+
+def exact_push(
+    session: Session, learner_id: int, step: int, *, base: int = 0, attempt: int = 1
+) -> bytes:
+    """Learner ``learner_id``'s PUSH for round ``step`` carrying exact_delta in the PUSH dtype."""
+    built, _ = push_fragment(
+        session.push_of(exact_delta(session, step)),
+        learner_id=learner_id,
+        fragment_id=(step - 1) % len(session.numels),
+        global_step=step,
+        round_attempt=attempt,
+        base_version=base,
+        local_step=24 * step,
+        c_steps=24,
+        c_tokens=24 * 512,
+    )
+    return built
+
+
+def exact_push_event(
+    session: Session, learner_id: int, generation: int, step: int, **kwargs: Any
+) -> Json:
+    return frame_event(learner_id, generation, exact_push(session, learner_id, step, **kwargs))
+
+
+def pull_of(session: Session, step: int, attempt: int = 1) -> str:
+    return pull_req((step - 1) % len(session.numels), step, attempt)[0].hex()
+
+
+def both(frames: list[str]) -> dict[tuple[int, int], list[str]]:
+    """The same frames to (0, 1) and (1, 1)."""
+    return {(0, 1): frames, (1, 1): frames}
+
+
+def dtype_sends_tests(session: Session) -> list[Json]:
+    """--total-steps 2 in a bf16 or q4 session: the start, round 1's commit (avg), round 2's
+    commit (fragment 1: iso in S_BF16, rda in S_Q4) with the final cut, and a frozen learner's
+    new generation after it. BCASTs carry the session's bulk dtype (bf16, also in a q4 session),
+    FINAL_FRAGMENTs f32 (spec/dtypes.md § 1)."""
+    run = initialized(session)
+    dtype = DTYPE_NAMES[session.dtype]
+    mode = MODE_NAMES[session.layout.fragments[1].mode]
+    started = [
+        session_hello(session, 0, 1),
+        session_hello(session, 1, 1),
+        session_init_event(session, 0),
+        with_sends(
+            session_init_event(session, 1),
+            both([*run.bcasts(), pull_of(session, 1), pull_of(session, 2)]),
+        ),
+    ]
+    run.commit(1)
+    committed_1 = both([run.bcast(0)])
+    round_1 = [
+        with_sends(exact_push_event(session, 0, 1, 1), {}),
+        with_sends(exact_push_event(session, 1, 1, 1), committed_1),
+    ]
+    run.commit(2)
+    cut = run.cut(2)
+    round_2 = [
+        with_sends(exact_push_event(session, 0, 1, 2), {}),
+        with_sends(exact_push_event(session, 1, 1, 2), both([run.bcast(1), *cut])),
+    ]
+    flags = ("Sends", "Iso") if mode == "iso" else ("Sends",)
+    return [
+        with_sends(
+            acceptance(
+                f"a {dtype} session: the start's BCASTs carry the INITs' values in bf16; learner "
+                "1 completes round 1: the commit BCASTs f32(Θ + d) rounded to bf16 (nearest, ties "
+                "to even) at version 1; rounds 1 and 2 are all of --total-steps 2, so no PULL",
+                [*started, round_1[0]],
+                (1, 1),
+                exact_push(session, 1, 1),
+                "accepted",
+                *flags,
+                staleness=0,
+            ),
+            committed_1,
+        ),
+        with_sends(
+            acceptance(
+                f"a {dtype} session: learner 1 completes round 2 ({mode} fragment 1): the "
+                "commit's BCAST in bf16, then the final cut: FINAL_FRAGMENTs in f32 (the exact "
+                "f32 state, not its bf16 BCAST) and FINAL_MANIFEST",
+                [*started, *round_1, round_2[0]],
+                (1, 1),
+                exact_push(session, 1, 2),
+                "accepted",
+                *flags,
+                "Final",
+                staleness=0,
+            ),
+            both([run.bcast(1), *cut]),
+        ),
+        with_sends(
+            acceptance(
+                f"a {dtype} session after the final cut: generation 2 of learner 0 (frozen) "
+                "gets its catch-up BCASTs in bf16, then the cut in f32; its PUSH for round 2 is "
+                "out of round",
+                [
+                    *started,
+                    *round_1,
+                    *round_2,
+                    with_sends(session_hello(session, 0, 2), {(0, 2): [*run.bcasts(), *cut]}),
+                ],
+                (0, 2),
+                exact_push(session, 0, 2),
+                "rejected",
+                *flags,
+                "Final",
+                "NewGeneration",
+                code="PUSH_OUT_OF_ROUND",
+            ),
+            {},
+        ),
+    ]
+
+
 def push_acceptance_file() -> Json:
     superseded = [*START, member_hello(0, 2)]
     rounds_1_to_3 = [*START, *commit(1), *commit(2), *commit(3)]
@@ -4848,6 +5130,8 @@ def push_acceptance_file() -> Json:
             push_acceptance_group(replace(GRACE_SYNCER, grace_ms=0), no_grace),
             push_acceptance_group(SENDS_SYNCER, sends_tests()),
             push_acceptance_group(replace(SENDS_SYNCER, total_steps=1), final_sends_tests()),
+            push_acceptance_group(replace(SENDS_SYNCER, total_steps=2), dtype_sends_tests(S_BF16)),
+            push_acceptance_group(replace(SENDS_SYNCER, total_steps=2), dtype_sends_tests(S_Q4)),
         ],
     )
 
