@@ -4435,7 +4435,7 @@ def final_sends_tests() -> list[Json]:
     ]
 
 
-# -- sends in bf16 and q4 sessions, rda and iso commits ----------------------------------------
+# -- sends in bf16 and q4 sessions, rda and iso commits ------------------------------------------
 
 #: The rda tensors' delta: RDA_SCALE·(2, −2, 1, 0, …). ‖d‖ = 3·RDA_SCALE and every f64 sum of
 #: squares the rda merge forms is exact in any order, so the merge is exact by construction; and
@@ -4710,6 +4710,124 @@ def dtype_sends_tests(session: Session) -> list[Json]:
                 "Final",
                 "NewGeneration",
                 code="PUSH_OUT_OF_ROUND",
+            ),
+            {},
+        ),
+    ]
+
+
+# -- sends around the budget cutoff --------------------------------------------------------------
+
+#: SENDS_SYNCER with --learner-budget-steps 100 (the cutoff never completes in its tests).
+BUDGET_SENDS_SYNCER = replace(SENDS_SYNCER, learner_budget_steps=100)
+
+
+def budget_sends_tests() -> list[Json]:
+    """What the first accepted BUDGET_DONE sends (nothing: its rounds are cancelled, none
+    launches) and what a group that becomes ready after it gets (catch-up BCASTs, no PULL)."""
+    run = ExactRun(S_F32, [init_values(0), init_values(1)])  # START's INITs
+    run.commit(1)
+    report = frame_event(0, 1, budget_done(100)[0])
+    return [
+        with_sends(
+            acceptance(
+                "round 2 is complete and waits for round 1, which learner 0 answered; then "
+                "learner 0's BUDGET_DONE cancelled both (nothing is sent, no round launches) and "
+                "generation 2 of learner 1 became ready (its catch-up BCASTs at version 0; the "
+                "cancelled round 2 does not commit): the superseded (1, 1)'s answer to round 1 "
+                "is out of round, and nothing commits",
+                [
+                    *START,
+                    with_sends(same_push_event(0, 1, 2), {}),
+                    with_sends(same_push_event(1, 1, 2), {}),
+                    with_sends(same_push_event(0, 1, 1), {}),
+                    with_sends(report, {}),
+                    with_sends(member_hello(1, 2), {(1, 2): START_SENDS[:2]}),
+                ],
+                (1, 1),
+                same_push(1, 1, 1),
+                "rejected",
+                "Sends",
+                "Budget",
+                "Pipeline",
+                code="PUSH_OUT_OF_ROUND",
+            ),
+            {},
+        ),
+        with_sends(
+            acceptance(
+                "round 1 committed (round 3 launched), then learner 0's BUDGET_DONE cancelled "
+                "rounds 2 and 3; generation 2 of learner 1 became ready: its catch-up BCASTs "
+                "(fragment 0 at version 1, fragment 1 at version 0) and no PULL, since issuance "
+                "is closed; learner 0's answer to the cancelled round 3 is out of round",
+                [
+                    *START,
+                    same_push_event(0, 1, 1),
+                    with_sends(same_push_event(1, 1, 1), both([run.bcast(0), pull(3)])),
+                    with_sends(report, {}),
+                    with_sends(member_hello(1, 2), {(1, 2): run.bcasts()}),
+                ],
+                (0, 1),
+                same_push(0, 1, 3),
+                "rejected",
+                "Sends",
+                "Budget",
+                "NewGeneration",
+                code="PUSH_OUT_OF_ROUND",
+            ),
+            {},
+        ),
+    ]
+
+
+#: The cutoff syncer of the closure: SENDS_SYNCER with a budget and --checkpoint-path.
+CUTOFF_SYNCER = replace(BUDGET_SENDS_SYNCER, checkpoint_enabled=True)
+
+
+def cutoff_sends_tests() -> list[Json]:
+    """The report that completes the cutoff sends nothing (spec/closure.md § 3 item 4)."""
+    return [
+        with_sends(
+            session_test(
+                "round 1 committed, then learner 0 reported its budget (rounds 2 and 3 "
+                "cancelled); learner 1's report completes the cutoff: the unmarked recovery "
+                "checkpoint at step 1, exit 0, and no FINAL_FRAGMENT, FINAL_MANIFEST or SHUTDOWN",
+                [
+                    *START,
+                    *commit_same(1),
+                    with_sends(frame_event(0, 1, budget_done(100)[0]), {}),
+                ],
+                (1, 1),
+                budget_done(100)[0],
+                "cutoff",
+                "Sends",
+                "Budget",
+            ),
+            {},
+        ),
+    ]
+
+
+def commit_same(step: int) -> list[Json]:
+    """Both first generations push round_delta for round ``step`` (base_version 0)."""
+    return [same_push_event(0, 1, step), same_push_event(1, 1, step)]
+
+
+def after_cut_sends_tests() -> list[Json]:
+    """--total-steps 1 with a budget: the ordinary rounds ran out first (closure.md § 3 item 6)."""
+    return [
+        with_sends(
+            session_test(
+                "--total-steps 1: round 1 committed and the final cut was taken; learner 0's "
+                "BUDGET_DONE is then ignored: no tape line, nothing sent (no cut again, no "
+                "SHUTDOWN)",
+                [*START, *commit_same(1)],
+                (0, 1),
+                budget_done(100)[0],
+                "ignored",
+                "Sends",
+                "Budget",
+                "Final",
             ),
             {},
         ),
@@ -5132,6 +5250,7 @@ def push_acceptance_file() -> Json:
             push_acceptance_group(replace(SENDS_SYNCER, total_steps=1), final_sends_tests()),
             push_acceptance_group(replace(SENDS_SYNCER, total_steps=2), dtype_sends_tests(S_BF16)),
             push_acceptance_group(replace(SENDS_SYNCER, total_steps=2), dtype_sends_tests(S_Q4)),
+            push_acceptance_group(BUDGET_SENDS_SYNCER, budget_sends_tests()),
         ],
     )
 
@@ -5391,6 +5510,10 @@ def syncer_session_file() -> Json:
             syncer_session_group(BUDGET_SYNCER, budgeted),
             syncer_session_group(replace(PUSH_SYNCER, total_steps=2), finalizing),
             syncer_session_group(PUSH_SYNCER, session_sends_tests()),
+            syncer_session_group(CUTOFF_SYNCER, cutoff_sends_tests()),
+            syncer_session_group(
+                replace(BUDGET_SENDS_SYNCER, total_steps=1), after_cut_sends_tests()
+            ),
         ],
     )
 
