@@ -117,6 +117,7 @@ FLAG_NOTES = {
     "(spec/learner.md § 8).",
     "RefusedBefore": "HELLOs refused before this one; a refused HELLO fixes and records nothing.",
     "Replay": "A version the learner holds again, or an older one: idempotent or dropped.",
+    "Resume": "The syncer resumed from the context's checkpoint (spec/syncer.md § 1).",
     "Retry": "A quorum deadline discarded an attempt before the PUSH arrived.",
     "Rounding": "A value that is not exactly representable; pins the rounding rule.",
     "SameLimits": "The numeric layout differs from the session's, yet every frame limit derived "
@@ -4716,7 +4717,7 @@ def dtype_sends_tests(session: Session) -> list[Json]:
     ]
 
 
-# -- sends around the budget cutoff --------------------------------------------------------------
+# -- sends around the budget cutoff and after a resume -------------------------------------------
 
 #: SENDS_SYNCER with --learner-budget-steps 100 (the cutoff never completes in its tests).
 BUDGET_SENDS_SYNCER = replace(SENDS_SYNCER, learner_budget_steps=100)
@@ -4830,6 +4831,150 @@ def after_cut_sends_tests() -> list[Json]:
                 "Final",
             ),
             {},
+        ),
+    ]
+
+
+# -- resume --------------------------------------------------------------------------------------
+
+#: The checkpoint the resume groups start from: S_F32 after round C = 3 (F = 2: fragment 0 at
+#: version 3, fragment 1 at version 2), with momentum and a ledger of its own. C is odd, so round
+#: C + 1 targets fragment 1: a syncer that counted rounds from the resume would pick fragment 0.
+RESUME_STEP = 3
+RESUME_VERSIONS = (3, 2)
+
+
+def resume_state() -> ExactRun:
+    params = [
+        sample_values(f"sends resume: params of fragment {f}", n)
+        for f, n in enumerate(S_F32.numels)
+    ]
+    momentum = [
+        sample_values(f"sends resume: momentum of fragment {f}", n)
+        for f, n in enumerate(S_F32.numels)
+    ]
+    return ExactRun(S_F32, params, momentum, RESUME_VERSIONS)
+
+
+def checkpoint_v3(run: ExactRun, global_step: int) -> bytes:
+    """``run``'s state as a V3 checkpoint file (spec/checkpoint.md § 1) of its session: iso
+    backend scalar, the session's fingerprint and contract, both learners in the ledger."""
+    fingerprint = run.session.layout.fingerprint()
+    out = struct.pack("<IB", 0xD1705A80, 0) + fingerprint + struct.pack("<Q", global_step)
+    out += struct.pack("<I", len(run.params))
+    for version, params, momentum in zip(run.versions, run.params, run.momentum, strict=True):
+        out += struct.pack("<QQ", version, len(params)) + f32_bytes(params) + f32_bytes(momentum)
+    ledger = [
+        (learner, global_step, 24 * global_step, 24 * 512 * global_step) for learner in (0, 1)
+    ]
+    out += struct.pack("<I", len(ledger)) + b"".join(struct.pack("<IQQQ", *e) for e in ledger)
+    return out + fingerprint + struct.pack("<I", 0x52544353) + run.session.hello.contract
+
+
+#: SENDS_SYNCER started with --resume from the checkpoint (--checkpoint-path set).
+RESUME_SYNCER = replace(SENDS_SYNCER, checkpoint_enabled=True, resume=True)
+
+
+def resumed_start() -> list[Json]:
+    """Learners 0 and 1 connect to the resumed syncer: the first gets the checkpoint's fragments
+    at once (catch-up), and the second's arrival starts the session: BCASTs of what each was not
+    sent yet, then the PULLs of rounds C+1 and C+2."""
+    run = resume_state()
+    pulls = [pull(RESUME_STEP + 1), pull(RESUME_STEP + 2)]
+    return [
+        with_sends(member_hello(0, 1), {(0, 1): run.bcasts()}),
+        with_sends(member_hello(1, 1), {(0, 1): pulls, (1, 1): [*run.bcasts(), *pulls]}),
+    ]
+
+
+def resume_session_tests() -> list[Json]:
+    return [
+        with_sends(
+            session_test(
+                "the syncer resumed at global step 3 (versions 3 and 2): each learner gets the "
+                "checkpoint's fragments at their versions, and the start PULLs rounds 4 "
+                "(fragment 1) and 5 (fragment 0); "
+                "learner 0's INIT of a resumed fragment is ignored and sends nothing",
+                resumed_start(),
+                (0, 1),
+                bytes.fromhex(init_event(0)["hex"]),
+                "ignored",
+                "Sends",
+                "Resume",
+            ),
+            {},
+        ),
+        with_sends(
+            session_test(
+                "after the resumed start, generation 2 of learner 0 became ready: its catch-up "
+                "BCASTs carry the checkpoint's fragments at versions 3 and 2, no PULL; its "
+                "HEARTBEAT sends nothing",
+                [
+                    *resumed_start(),
+                    with_sends(member_hello(0, 2), {(0, 2): resume_state().bcasts()}),
+                ],
+                (0, 2),
+                heartbeat(0, 5)[0],
+                "ignored",
+                "Sends",
+                "Resume",
+                "NewGeneration",
+            ),
+            {},
+        ),
+    ]
+
+
+#: The consolidation syncer of spec/closure.md § 5: resumed at C, --total-steps C + F, quorum M.
+CONSOLIDATION_SYNCER = replace(RESUME_SYNCER, total_steps=RESUME_STEP + len(S_F32.numels))
+
+
+def consolidation_sends_tests() -> list[Json]:
+    """Rounds C+1 (rda, fragment 1) and C+2 (avg, fragment 0) after the resume, then the cut."""
+    run = resume_state()
+    c = RESUME_STEP
+    first = [with_sends(exact_push_event(S_F32, 0, 1, c + 1, base=2), {})]
+    run.commit(c + 1)
+    commit_first = both([run.bcast(1)])
+    first.append(with_sends(exact_push_event(S_F32, 1, 1, c + 1, base=2), commit_first))
+    run.commit(c + 2)
+    cut = run.cut(c + 2)
+    return [
+        with_sends(
+            acceptance(
+                "resumed at step 3 with --total-steps 5: learner 1 completes round 4 (rda "
+                "fragment 1, launched at the checkpoint's version 2): the commit BCASTs the rda "
+                "step at version 4 to both, and no PULL (rounds 4 and 5 are all there is)",
+                [*resumed_start(), first[0]],
+                (1, 1),
+                exact_push(S_F32, 1, c + 1, base=2),
+                "accepted",
+                "Sends",
+                "Resume",
+                staleness=0,
+            ),
+            commit_first,
+        ),
+        with_sends(
+            acceptance(
+                "resumed at step 3 with --total-steps 5: learner 1 completes round 5 (avg "
+                "fragment 0, launched at the checkpoint's version 3): the commit's BCAST of "
+                "f32(Θ + d), then the cut at step 5: FINAL_FRAGMENTs at versions 5 and 4, "
+                "FINAL_MANIFEST",
+                [
+                    *resumed_start(),
+                    *first,
+                    with_sends(exact_push_event(S_F32, 0, 1, c + 2, base=3), {}),
+                ],
+                (1, 1),
+                exact_push(S_F32, 1, c + 2, base=3),
+                "accepted",
+                "Sends",
+                "Resume",
+                "Final",
+                staleness=0,
+            ),
+            both([run.bcast(0), *cut]),
         ),
     ]
 
@@ -5251,16 +5396,32 @@ def push_acceptance_file() -> Json:
             push_acceptance_group(replace(SENDS_SYNCER, total_steps=2), dtype_sends_tests(S_BF16)),
             push_acceptance_group(replace(SENDS_SYNCER, total_steps=2), dtype_sends_tests(S_Q4)),
             push_acceptance_group(BUDGET_SENDS_SYNCER, budget_sends_tests()),
+            push_acceptance_group(
+                CONSOLIDATION_SYNCER,
+                consolidation_sends_tests(),
+                checkpoint=checkpoint_v3(resume_state(), RESUME_STEP),
+            ),
         ],
     )
 
 
-def push_acceptance_group(syncer: Profile, tests: list[Json]) -> Json:
+def push_acceptance_group(
+    syncer: Profile, tests: list[Json], *, checkpoint: bytes | None = None
+) -> Json:
     return {
         "type": "PushAcceptanceTest",
-        "context": {"syncer_profile": syncer.as_json()},
+        "context": scripted_context(syncer, checkpoint),
         "tests": tests,
     }
+
+
+def scripted_context(syncer: Profile, checkpoint: bytes | None) -> Json:
+    """The syncer's profile, and the checkpoint file it resumes from (``--resume``), if any."""
+    context: Json = {"syncer_profile": syncer.as_json()}
+    if checkpoint is not None:
+        assert syncer.resume and syncer.checkpoint_enabled
+        context["checkpoint"] = checkpoint.hex()
+    return context
 
 
 # -- syncer session rules ------------------------------------------------------------------------
@@ -5514,6 +5675,11 @@ def syncer_session_file() -> Json:
             syncer_session_group(
                 replace(BUDGET_SENDS_SYNCER, total_steps=1), after_cut_sends_tests()
             ),
+            syncer_session_group(
+                RESUME_SYNCER,
+                resume_session_tests(),
+                checkpoint=checkpoint_v3(resume_state(), RESUME_STEP),
+            ),
         ],
     )
 
@@ -5605,10 +5771,12 @@ def session_sends_tests() -> list[Json]:
     ]
 
 
-def syncer_session_group(syncer: Profile, tests: list[Json]) -> Json:
+def syncer_session_group(
+    syncer: Profile, tests: list[Json], *, checkpoint: bytes | None = None
+) -> Json:
     return {
         "type": "SyncerSessionTest",
-        "context": {"syncer_profile": syncer.as_json()},
+        "context": scripted_context(syncer, checkpoint),
         "tests": tests,
     }
 
