@@ -330,6 +330,40 @@ def test_rule_at_most_64_partial_messages() -> None:
     assert fresh.add(Chunk(99, 281, 0, zeros(10))) is None
 
 
+def test_messages_whose_bytes_all_arrived_are_not_partial_before_they_are_handed_over() -> None:
+    """A decoder reserves every CHUNK of one read before the reassembler hands any message on:
+    a burst of more than 64 small complete messages in one write is not 64 partials."""
+    from yeto_proto import FrameDecoder
+
+    message = BcastFragment(0, 1, zeros(40))
+    slicer = ChunkSlicer(1)  # one CHUNK per message, msg_ids 0, 1, 2, ...
+    wire = b"".join(
+        chunk_bytes(piece) for _ in range(200) for piece in slicer.slice(encode(message))
+    )
+    reassembler = Reassembler(Role.LEARNER, LIMITS)
+    decoder = FrameDecoder(Role.LEARNER, limits=LIMITS, chunk_sink=reassembler)
+    decoder.feed(wire)  # one read: every envelope is reserved before any add()
+    chunks = list(decoder.frames())
+    assert len(chunks) == 200 and reassembler.pending == 200
+    assert all(isinstance(c, Chunk) and reassembler.add(c) == message for c in chunks)
+    assert reassembler.pending == 0
+
+
+def test_a_reserved_complete_message_id_is_an_overlap_whatever_its_total() -> None:
+    reassembler = Reassembler(Role.LEARNER, LIMITS)
+    reassembler.chunk_target(0, 53, 0, 53)  # all of message 0, its data still being read
+    for total in (53, 60):  # rule 7 never sees it: the message is complete
+        with pytest.raises(RemoteProtocolError) as caught:
+            reassembler.chunk_target(0, total, 0, 10)
+        assert caught.value.code is ErrorCode.CHUNK_OVERLAP
+    # A message with bytes still to come counts against the cap; a complete one does not.
+    for msg_id in range(1, 65):
+        reassembler.chunk_target(msg_id, 281, 0, 10)
+    with pytest.raises(RemoteProtocolError) as caught:
+        reassembler.chunk_target(65, 281, 0, 10)
+    assert caught.value.code is ErrorCode.TOO_MANY_PARTIALS
+
+
 def _inner(frame: bytes) -> Chunk:
     return Chunk(0, len(frame), 0, memoryview(frame))
 

@@ -155,6 +155,11 @@ class _Partial:
         else:
             spans.insert(i, (start, end))
 
+    @property
+    def complete(self) -> bool:
+        """Every byte has been received (or reserved by an in-place read under way)."""
+        return self.spans == [(0, self.total_len)]
+
 
 class Reassembler:
     """Reassembles the CHUNKs one connection group receives; drop it with the group."""
@@ -172,6 +177,10 @@ class Reassembler:
         self.max_partials = max_partials
         self.inner_limit = limits.inner_limit(receiver)
         self._partials: dict[int, _Partial] = {}
+        #: Messages of ``_partials`` with bytes still to come: rule 5 counts these. A message
+        #: whose every byte arrived is complete even before :meth:`add` hands it over (a
+        #: decoder may reserve a whole read's worth of small messages first).
+        self._incomplete = 0
         # msg_ids count up from 0 per generation: every id below the floor, and those in the
         # set, are complete, so a late duplicate of a finished message is still an overlap.
         self._done_floor = 0
@@ -183,6 +192,7 @@ class Reassembler:
 
     def clear(self) -> None:
         self._partials.clear()
+        self._incomplete = 0
 
     def _is_done(self, msg_id: int) -> bool:
         return msg_id < self._done_floor or msg_id in self._done_above_floor
@@ -241,11 +251,11 @@ class Reassembler:
                 ErrorCode.CHUNK_OUT_OF_BOUNDS,
                 f"message {msg_id}: {offset}+{size} > {total_len}",
             )
-        if self._is_done(msg_id):
+        partial = self._partials.get(msg_id)
+        if self._is_done(msg_id) or (partial is not None and partial.complete):
             raise RemoteProtocolError(
                 ErrorCode.CHUNK_OVERLAP, f"message {msg_id} was already complete"
             )
-        partial = self._partials.get(msg_id)
         if partial is None:
             if total_len > self.inner_limit:
                 raise RemoteProtocolError(
@@ -256,7 +266,7 @@ class Reassembler:
                 raise RemoteProtocolError(
                     ErrorCode.BAD_INNER_FRAME, f"message {msg_id} shorter than a header"
                 )
-            if len(self._partials) >= self.max_partials:
+            if self._incomplete >= self.max_partials:
                 raise RemoteProtocolError(
                     ErrorCode.TOO_MANY_PARTIALS, f"more than {self.max_partials} partial messages"
                 )
@@ -272,12 +282,15 @@ class Reassembler:
                     f"message {msg_id}: cannot allocate {total_len} bytes",
                 ) from None
             self._partials[msg_id] = partial
+            self._incomplete += 1
         elif total_len != partial.total_len:
             raise RemoteProtocolError(
                 ErrorCode.CHUNK_TOTAL_CHANGED,
                 f"message {msg_id}: total {total_len} != {partial.total_len}",
             )
         partial.reserve(msg_id, offset, offset + size)
+        if partial.complete:
+            self._incomplete -= 1
         return partial
 
 
