@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
 import socket
 import struct
 import threading
@@ -23,6 +24,7 @@ from daemon_harness import Daemon, error_code, wait_until
 from scripted_learner import LearnerGroup, ScriptedLearner, SessionSpec
 
 from yeto_proto import (
+    FIRST_FRAME_LIMIT,
     FRAME_MAGIC,
     Chunk,
     ErrorMessage,
@@ -284,3 +286,43 @@ def test_idle_peers_never_take_the_descriptors_the_daemons_files_need(tmp_path: 
     merges = [line["step"] for line in taped if "event" not in line]
     assert merges == list(range(1, TOTAL_STEPS + 1))
     assert daemon.stderr.count("accept failed") <= 2, daemon.stderr
+
+
+def _largest_hello(learner_id: int, seed: int) -> bytes:
+    """A 16 MiB HELLO listing ~1.29 million distinct one-tensor fragments (seconds to read)."""
+    count = (FIRST_FRAME_LIMIT - 19 - 66) // 13
+    records = np.zeros(count, dtype=[("mode", "u1"), ("tensors", "<u4"), ("numel", "<u8")])
+    records["tensors"] = 1
+    records["numel"] = np.arange(count, dtype=np.uint64) + np.uint64(seed * 10**7 + 1)
+    head = struct.pack("<HIQBI", 4, learner_id, 1000 + seed, 1, count)
+    payload = head + records.tobytes() + bytes(64) + struct.pack("<H", 0)
+    return struct.pack("<IBQ", FRAME_MAGIC, FrameType.HELLO, len(payload)) + payload
+
+
+def test_largest_hellos_neither_stall_other_peers_nor_delay_a_stop() -> None:
+    """Read whole, each took ~5 s of the event loop: every other peer waited, and SIGTERM took
+    7-23 s. Now they are read a slice per loop turn, one at a time."""
+    hellos = [_largest_hello(learner_id=1, seed=seed) for seed in range(2)]
+    with Daemon("--learners=2", "--total-steps=4") as daemon:
+        senders = [socket.create_connection(daemon.address, timeout=60) for _ in hellos]
+        for sock, data in zip(senders, hellos, strict=True):
+            threading.Thread(target=sock.sendall, args=(data,), daemon=True).start()
+        time.sleep(1.0)  # both HELLOs in, the first being read
+        waits = []
+        for _ in range(3):
+            started = time.monotonic()
+            with socket.create_connection(daemon.address, timeout=10) as probe:
+                probe.sendall(hello(learner_id=7))
+                assert error_code(read_error(probe)) == "LEARNER_ID_OUT_OF_RANGE"
+            waits.append(time.monotonic() - started)
+        stop_sent = time.monotonic()
+        daemon.signal(signal.SIGTERM)
+        assert daemon.wait(15) == 128 + signal.SIGTERM
+        stopped_in = time.monotonic() - stop_sent
+        for sock in senders:
+            sock.close()
+    assert max(waits) < 2.0, waits  # each waited ~4.5 s before
+    assert stopped_in < 5.0, stopped_in  # spec/syncer.md § 13
+    assert daemon.stderr.splitlines()[-1] == (
+        "yeto-sync: stopped by SIGTERM; no checkpoint was written"
+    )

@@ -21,6 +21,7 @@ import pytest
 from yeto_proto import (
     CLOSED,
     NEED_DATA,
+    WORKING,
     AnyMessage,
     BcastFragment,
     BudgetDone,
@@ -1019,3 +1020,71 @@ def test_a_reader_driven_by_next_read_decodes_everything_and_copies_only_small_b
     # Scratch carries the small frames, plus at most one scratch-full of a bulk payload after
     # each run of small frames (the decoder cannot know a bulk frame is next).
     assert through_scratch < len(wire) - tensor_bytes + 2 * len(scratch)
+
+
+# -- a large HELLO read a slice at a time ------------------------------------------------------
+
+
+def _many_fragments(count: int) -> WireLayout:
+    return WireLayout(
+        tuple(
+            WireFragment(MergeMode.AVG if i % 3 else MergeMode.RDA, (i + 1,)) for i in range(count)
+        )
+    )
+
+
+def _stepped(step: int, key: bytes | None = None) -> FrameDecoder:
+    return FrameDecoder(Role.SYNCER, num_learners=4, hello_key=key, hello_step_records=step)
+
+
+@pytest.mark.parametrize("key", [None, b"k"])
+def test_a_large_hello_is_read_a_slice_per_call_and_equals_one_read_whole(
+    key: bytes | None,
+) -> None:
+    message = hello(layout=_many_fragments(50))
+    wire = encode_bytes(message, hello_key=key)
+    decoder = _stepped(8, key)
+    decoder.feed(wire)
+    assert decoder.has_output and decoder.large_hello_next
+    states = []
+    while (item := decoder.next_frame()) is WORKING:
+        states.append(item)
+        assert decoder.has_output and not decoder.large_hello_next
+    assert len(states) == 6  # 50 records, 8 a call: the seventh call reads the last 2
+    assert item == message == decode_payload(FrameType.HELLO, memoryview(wire)[13:], hello_key=key)
+    assert decoder.next_frame() is NEED_DATA and not decoder.has_output
+
+
+def test_a_hello_within_one_slice_is_read_at_once() -> None:
+    decoder = _stepped(8)
+    decoder.feed(encode_bytes(hello(layout=_many_fragments(3))))
+    assert not decoder.large_hello_next
+    assert isinstance(decoder.next_frame(), Hello)
+
+
+@pytest.mark.parametrize("bad_at", [0, 7, 8, 49])
+def test_a_broken_record_fails_a_sliced_reading_as_a_whole_one_with_the_same_code(
+    bad_at: int,
+) -> None:
+    wire = bytearray(encode_bytes(hello(layout=_many_fragments(50))))
+    records_at = 13 + 19  # frame header, HELLO head
+    wire[records_at + 13 * bad_at + 5 : records_at + 13 * bad_at + 13] = bytes(8)  # numel 0
+    whole = FrameDecoder(Role.SYNCER, num_learners=4)
+    whole.feed(bytes(wire))
+    first = expect_error(whole, ErrorCode.ZERO_NUMEL)
+    decoder = _stepped(8)
+    decoder.feed(bytes(wire))
+    with pytest.raises(RemoteProtocolError) as caught:
+        while decoder.next_frame() is WORKING:
+            pass
+    assert same_error(caught.value, first)
+    assert not decoder.large_hello_next
+    with pytest.raises(RemoteProtocolError) as again:  # poisoned like any failure
+        decoder.next_frame()
+    assert same_error(again.value, first)
+
+
+def test_a_sliced_hello_checks_the_mac_first() -> None:
+    decoder = _stepped(8, b"right")
+    decoder.feed(encode_bytes(hello(layout=_many_fragments(50)), hello_key=b"wrong"))
+    expect_error(decoder, ErrorCode.HELLO_AUTH_FAILED)

@@ -359,6 +359,45 @@ def test_a_peer_that_leaves_inside_a_big_hello_frees_its_buffer_without_the_cycl
             gc.enable()
 
 
+def _large_hello(learner_id: int, fragments: int = 40) -> bytes:
+    layout = WireLayout(tuple(WireFragment(MergeMode.AVG, (i + 1,)) for i in range(fragments)))
+    return encode_bytes(Hello(learner_id, 1, WireDtype.F32, layout, FINGERPRINT, CONTRACT, 0))
+
+
+def _drain_until_settled(groups: ConnectionGroups, conn: int) -> int:
+    """Drain ``conn`` as the TCP daemon's reader does; how many drains its HELLO took."""
+    drains = 0
+    while groups.holds_frames(conn) and not groups.waits_for_hello_turn(conn):
+        groups.drain(conn, 0.0)
+        drains += 1
+    return drains
+
+
+def test_large_hellos_are_read_a_slice_per_drain_one_at_a_time() -> None:
+    groups = ConnectionGroups(M, hello_step_records=8)
+    for conn, learner in ((1, 0), (2, 1), (3, 2)):
+        groups.open(conn, 0.0)
+        groups.receive(conn, _large_hello(learner), 0.0)  # reads the first slice of socket 1
+    small = 4
+    groups.open(small, 0.0)
+    groups.receive(small, _hello_bytes(0, 9), 0.0)  # a small HELLO never waits for a turn
+    assert isinstance(event := groups.pop_event(), HelloReceived) and event.conn == small
+    assert groups.holds_frames(1) and not groups.waits_for_hello_turn(1)
+    assert groups.waits_for_hello_turn(2) and groups.waits_for_hello_turn(3)
+    groups.drain(2, 0.0)  # its turn has not come: nothing is read
+    assert groups.pop_event() is None and groups.waits_for_hello_turn(2)
+    assert _drain_until_settled(groups, 1) == 4  # 40 records, 8 a slice: 5 in all
+    assert isinstance(event := groups.pop_event(), HelloReceived) and event.conn == 1
+    assert len(event.hello.layout.fragments) == 40
+    # Its reader gone mid-reading, the next large HELLO gets its turn.
+    groups.drain(2, 0.0)
+    assert groups.waits_for_hello_turn(3)
+    groups.lost(2, "test")
+    assert not groups.waits_for_hello_turn(3)
+    assert _drain_until_settled(groups, 3) == 5
+    assert isinstance(event := groups.pop_event(), HelloReceived) and event.conn == 3
+
+
 def _hello_bytes(learner_id: int = 0, generation: int = 1) -> bytes:
     return encode_bytes(make_hello(learner_id, generation))
 

@@ -17,7 +17,7 @@ from .constants import (
     Role,
     WireDtype,
 )
-from .decoder import CLOSED, NEED_DATA, DecoderState, FrameDecoder
+from .decoder import CLOSED, NEED_DATA, WORKING, DecoderState, FrameDecoder
 from .dtypes import decode_tensor, encode_tensor, tensor_nbytes
 from .errors import (
     CheckpointError,
@@ -92,6 +92,7 @@ __all__ = [
     "MergeMode",
     "Message",
     "NEED_DATA",
+    "WORKING",
     "PROTOCOL_VERSION",
     "ProtocolError",
     "PullReq",

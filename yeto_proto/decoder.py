@@ -38,7 +38,8 @@ from .constants import (
     Role,
 )
 from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
-from .frames import decode_payload
+from .frames import decode_payload, start_hello_reading
+from .hello_reader import HelloReading
 from .limits import Limits
 from .messages import AnyMessage, Chunk, as_byte_view
 from .schema import CHUNK_PREFIX, HEADER_STRUCT, PREFIX_STRUCTS
@@ -46,6 +47,11 @@ from .schema import CHUNK_PREFIX, HEADER_STRUCT, PREFIX_STRUCTS
 _KNOWN_TYPES = {int(t) for t in FrameType}
 
 
+#: The smallest HELLO fragment record (merge_mode, num_tensors, one numel), and the bytes of a
+#: HELLO that are not records (head, two digests, the shortest tail): a payload longer than
+#: ``step`` minimal records beyond those may hold more records than one slice reads.
+_MIN_HELLO_RECORD = 13
+_HELLO_FIXED_BYTES = 19 + 64 + 2
 #: A payload this large marks a bulk stream: see :meth:`FrameDecoder.header_wanted`.
 BULK_PAYLOAD = 64 << 10
 #: The most bytes a syncer's decoder holds after the first frame while it waits for the session
@@ -65,10 +71,14 @@ class ChunkSink(Protocol):
 class DecoderState(enum.Enum):
     NEED_DATA = "NEED_DATA"
     CLOSED = "CLOSED"
+    #: Only with ``hello_step_records``: a large HELLO is being read a slice at a time; call
+    #: :meth:`FrameDecoder.next_frame` again (after serving other peers) to read on.
+    WORKING = "WORKING"
 
 
 NEED_DATA = DecoderState.NEED_DATA
 CLOSED = DecoderState.CLOSED
+WORKING = DecoderState.WORKING
 
 
 def check_header(
@@ -170,7 +180,12 @@ class FrameDecoder:
         enforce_first_frame: bool | None = None,
         buffers: BufferPool | None = None,
         chunk_sink: ChunkSink | None = None,
+        hello_step_records: int | None = None,
     ) -> None:
+        """``hello_step_records``: read a HELLO of more fragment records than this a slice of
+        that many records per :meth:`next_frame` call, which returns :data:`WORKING` until the
+        HELLO is read (a 16 MiB HELLO is seconds of work; a receiver serving other peers on
+        the same thread gives them their turns in between). ``None`` reads every HELLO whole."""
         self.receiver = receiver
         #: Set it (at any frame boundary) to place CHUNK data straight into reassembly.
         self.chunk_sink = chunk_sink
@@ -194,6 +209,8 @@ class FrameDecoder:
         self._stash: bytearray | None = None  # bytes waiting for set_limits
         self._error: _Failure | None = None
         self._eof = False
+        self._hello_step = hello_step_records
+        self._hello_reading: HelloReading | None = None
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -212,7 +229,28 @@ class FrameDecoder:
     @property
     def has_output(self) -> bool:
         """:meth:`next_frame` would give something now: a frame, the EOF, or the failure."""
-        return bool(self._ready) or self._eof or self._error is not None
+        return (
+            bool(self._ready)
+            or self._hello_reading is not None
+            or self._eof
+            or self._error is not None
+        )
+
+    @property
+    def large_hello_next(self) -> bool:
+        """The next frame is a HELLO that :meth:`next_frame` would read stepwise, not started
+        yet (a receiver may let one such reading run at a time)."""
+        if self._hello_reading is not None or not self._ready:
+            return False
+        item = self._ready[0]
+        return not isinstance(item, Chunk) and self._steps(*item)
+
+    def _steps(self, frame_type: FrameType, payload: memoryview) -> bool:
+        return (
+            frame_type is FrameType.HELLO
+            and self._hello_step is not None
+            and len(payload) - _HELLO_FIXED_BYTES > self._hello_step * _MIN_HELLO_RECORD
+        )
 
     def set_limits(self, limits: Limits) -> None:
         """Install the session limits; bytes held back since the first frame are decoded now."""
@@ -418,12 +456,19 @@ class FrameDecoder:
 
     # -- output ----------------------------------------------------------------------------
     def next_frame(self) -> AnyMessage | DecoderState:
+        if self._hello_reading is not None:
+            return self._read_hello_on()
         if self._ready:
             item = self._ready.popleft()
             if isinstance(item, Chunk):
                 return item
             frame_type, payload = item
             try:
+                if self._steps(frame_type, payload):
+                    self._hello_reading = start_hello_reading(
+                        payload, num_learners=self._num_learners, hello_key=self._hello_key
+                    )
+                    return self._read_hello_on()
                 return decode_payload(
                     frame_type,
                     payload,
@@ -448,6 +493,25 @@ class FrameDecoder:
                 raise self._error.error()
             return CLOSED
         return NEED_DATA
+
+    def _read_hello_on(self) -> AnyMessage | DecoderState:
+        reading = self._hello_reading
+        assert reading is not None and self._hello_step is not None
+        try:
+            hello = reading.advance(self._hello_step)
+        except RemoteProtocolError as exc:
+            self._hello_reading = None
+            self._poison(exc)
+            raise
+        except LocalProtocolError as exc:  # a constructor refused what the peer sent
+            self._hello_reading = None
+            self._poison(RemoteProtocolError(exc.code, exc.detail))
+            assert self._error is not None
+            raise self._error.error() from None
+        if hello is None:
+            return WORKING
+        self._hello_reading = None
+        return hello
 
     def _poison(self, exc: ProtocolError) -> None:
         self._error = _Failure.of(exc)

@@ -14,7 +14,7 @@ from construct import ConstructError, StreamError, TerminatedError
 
 from .constants import FRAME_MAGIC, PROTOCOL_VERSION, FrameType
 from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError
-from .hello_reader import read_hello
+from .hello_reader import HelloReading
 from .identity import sign_hello, verify_hello
 from .limits import Limits
 from .messages import (
@@ -225,6 +225,17 @@ def _parse_with_schema(frame_type: FrameType, payload: memoryview, **context: An
         ) from None
 
 
+def start_hello_reading(
+    payload: memoryview, *, num_learners: int | None = None, hello_key: bytes | None = None
+) -> HelloReading:
+    """Check a HELLO payload's MAC (with a key) and head; the reading then goes on stepwise."""
+    try:
+        body = verify_hello(hello_key, payload) if hello_key is not None else payload
+        return HelloReading(body, num_learners=num_learners)
+    except LocalProtocolError as exc:
+        raise RemoteProtocolError(exc.code, exc.detail) from None
+
+
 def decode_payload(
     frame_type: FrameType,
     payload: memoryview,
@@ -252,8 +263,8 @@ def _decode_payload(
 ) -> AnyMessage:
     match frame_type:
         case FrameType.HELLO:
-            body = verify_hello(hello_key, payload) if hello_key is not None else payload
-            return read_hello(body, num_learners=num_learners)
+            hello = start_hello_reading(payload, num_learners=num_learners, hello_key=hello_key)
+            return hello.advance_all()
         case FrameType.DATA_HELLO:
             p = _parse_with_schema(frame_type, payload, num_learners=num_learners)
             return DataHello(p.learner_id, p.connection_generation, p.stream_idx)

@@ -42,7 +42,7 @@ from .iso import IsoPoolSettings, IsoWorkerPool
 from .merge import MergeError
 from .stop_signals import stop_signals
 from .transport import MonotonicClock
-from .transport.group import ConnectionGroups
+from .transport.group import HELLO_STEP_RECORDS, ConnectionGroups
 from .transport.tcp import TcpTransport
 
 PROG = "yeto-sync"
@@ -486,7 +486,9 @@ async def _serve(
 ) -> tuple[Exit, str]:
     log = KeyValueLog(sys.stderr)
     clock = MonotonicClock()
-    groups = ConnectionGroups(config.learners, hello_key=hello_key, log=log)
+    groups = ConnectionGroups(
+        config.learners, hello_key=hello_key, log=log, hello_step_records=HELLO_STEP_RECORDS
+    )
     outputs = Outputs(
         checkpoint_path=config.checkpoint_path,
         final_state_path=config.final_state,

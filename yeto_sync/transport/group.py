@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from yeto_proto import (
     CLOSED,
+    WORKING,
     AnyMessage,
     Chunk,
     ChunkSlicer,
@@ -79,6 +80,12 @@ HANDSHAKE_TIMEOUT_S = 10.0
 ATTACH_TIMEOUT_S = 10.0
 #: Messages a group may send before its data streams are all attached.
 MAX_HELD_MESSAGES = 256
+#: Fragment records of a large HELLO read per turn of the TCP daemon's event loop (~20-30 ms
+#: here): a 16 MiB HELLO of 1.29 million distinct fragments takes seconds to read, and every
+#: other peer, timer and signal would wait that long for a HELLO read whole.
+HELLO_STEP_RECORDS = 8192
+#: How often a socket whose large HELLO waits for another one's reading looks again.
+HELLO_TURN_POLL_S = 0.02
 #: Sockets that have not yet become part of a group (each may hold a HELLO of up to 16 MiB).
 MAX_UNSETTLED_SOCKETS = 256
 #: Bytes those sockets may hold between them (16 HELLOs of the largest size).
@@ -260,8 +267,17 @@ class ConnectionGroups:
         max_unsettled_bytes: int = MAX_UNSETTLED_BYTES,
         max_backlog: int | None = None,
         log: LogFn | None = None,
+        hello_step_records: int | None = None,
     ) -> None:
+        """``hello_step_records``: read a large HELLO that many fragment records per
+        :meth:`drain` (:class:`~yeto_proto.FrameDecoder`), one such HELLO at a time; the caller
+        drains a socket that :meth:`holds_frames` again after serving the others, and lets a
+        socket that :meth:`waits_for_hello_turn` wait. ``None`` reads each HELLO whole."""
         self.num_learners = num_learners
+        self.hello_step_records = hello_step_records
+        #: The socket whose large HELLO is being read, a slice per drain (at most one: a
+        #: 16 MiB HELLO of distinct fragments is ~200 MiB of objects while it is read).
+        self._hello_reader: ConnId | None = None
         self.hello_key = hello_key
         self.handshake_timeout = handshake_timeout
         self.attach_timeout = attach_timeout
@@ -337,7 +353,10 @@ class ConnectionGroups:
                 return [Hangup(conn)]
             self._evict(oldest, f"{self.max_unsettled} sockets without a group", now)
         decoder = FrameDecoder(
-            Role.SYNCER, num_learners=self.num_learners, hello_key=self.hello_key
+            Role.SYNCER,
+            num_learners=self.num_learners,
+            hello_key=self.hello_key,
+            hello_step_records=self.hello_step_records,
         )
         sock = _Socket(conn, decoder, now + self.handshake_timeout)
         self._sockets[conn] = sock
@@ -576,6 +595,15 @@ class ConnectionGroups:
         wire, self._wire = self._wire, []
         return wire
 
+    def waits_for_hello_turn(self, conn: ConnId) -> bool:
+        """``conn``'s next frame is a large HELLO, and another socket's is being read."""
+        sock = self._sockets.get(conn)
+        return (
+            sock is not None
+            and self._hello_reader not in (None, conn)
+            and sock.decoder.large_hello_next
+        )
+
     def holds_frames(self, conn: ConnId) -> bool:
         """``conn``'s decoder has frames (or its EOF, or its failure) not handed on yet."""
         sock = self._sockets.get(conn)
@@ -623,8 +651,15 @@ class ConnectionGroups:
                 if sock.decoder.has_output:
                     self._held.setdefault(sock.conn)  # keeps its place if held already
                 return
+            if self.waits_for_hello_turn(sock.conn):
+                return  # its reader retries after a while
             try:
                 item = sock.decoder.next_frame()
+                if item is WORKING:
+                    self._hello_reader = sock.conn  # one slice read; the next drain reads on
+                    return
+                if self._hello_reader == sock.conn:
+                    self._hello_reader = None
                 if isinstance(item, DecoderState):
                     self._held.pop(sock.conn, None)
                     if item is CLOSED:
@@ -633,6 +668,8 @@ class ConnectionGroups:
                 self._handle(sock, item, now)
             except ProtocolError as exc:
                 self._held.pop(sock.conn, None)
+                if self._hello_reader == sock.conn:
+                    self._hello_reader = None
                 self._fail(sock, exc)
                 return
 
@@ -780,6 +817,8 @@ class ConnectionGroups:
 
     def _forget(self, conn: ConnId) -> None:
         self._held.pop(conn, None)
+        if self._hello_reader == conn:
+            self._hello_reader = None
         sock = self._sockets.pop(conn, None)
         if sock is not None:
             self._settle(sock)

@@ -60,7 +60,15 @@ from ..events import ConnId, Event, GroupKey
 from ..payload_progress import PayloadProgress, PayloadWithdrawn
 from ..receive_watermark import READ_WATERMARK_CAP, ReceiveWatermark
 from . import Clock
-from .group import ConnectionGroups, Hangup, LogFn, Transmit, WireCommand, Writable
+from .group import (
+    HELLO_TURN_POLL_S,
+    ConnectionGroups,
+    Hangup,
+    LogFn,
+    Transmit,
+    WireCommand,
+    Writable,
+)
 from .link_pace import LinkPace
 from .log_throttle import LogThrottle
 
@@ -667,6 +675,8 @@ class TcpTransport:
                     # with unread bytes it would reset, and the ERROR could be lost.)
                     await self._room_for_events()
                     self._apply(self.groups.drain(conn, self.clock.now()))
+                    if self.groups.waits_for_hello_turn(conn):
+                        await anyio.sleep(HELLO_TURN_POLL_S)  # one large HELLO at a time
                     continue
                 # Large payloads are read straight into their frame's buffer (no copy).
                 into, direct = self.groups.next_read(conn, view)
