@@ -19,6 +19,26 @@ The learners are protocol-following actors, in three modes:
   mid-INIT and INITing again; drops and repeated ACKs around the final cut; timers fired up to
   0.2 s late. The run must exit in bounded time, 0 unless a FINAL_ACK deadline or an empty cut
   explains the 1.
+- BREAKER, until a drawn moment, then NICE: now and then a learner sends a frame that breaks
+  the protocol: a PUSH with ``c_steps = 0``, another learner's id, a NaN or infinity (a NaN,
+  infinite or negative q4 scale), a wrong tensor length, for a fragment or step it was not
+  pulled for, another attempt, or an old connection's PULL; a HEARTBEAT with another learner's
+  id; an INIT from a learner other than 0, or learner 0's INIT with a NaN (ignored when the
+  fragment is held) or a wrong length; a FINAL_ACK before the cut, for another step or from a
+  generation the cut was not queued to; a BUDGET_DONE without a configured budget; a frame only
+  the syncer sends. The model gives each its verdict (ERROR and close of that group only, a
+  ``push_rejected`` line, or nothing); a learner whose group is closed redials as a restarted
+  process, and the run must still reach its total steps and exit 0.
+
+Every mode runs in a drawn session dtype (spec/dtypes.md): f32, bf16 or q4 PUSHes, INIT and
+BCAST in the bulk encoding, FINAL_FRAGMENT in f32, q4 fragments of one or several 256-value
+blocks. The model decodes and encodes with its own numpy codecs written from the spec (bf16
+round-to-nearest-even and NaN quieting, q4 levels, signed zeros of a −0.0 scale, nibble 8,
+ignored padding), checks every BCAST's bytes and the merge bit for bit as for f32. Learners
+announce 0–4 data streams (``num_streams``): as the transport does, the group is reported ready
+once they all attached, messages sent before (learner 0's early INITs) are held and delivered
+right after ``GroupReady``, and in CHAOS and BREAKER runs a dial whose streams never all attach
+(a stream that named another group) is closed at the 10 s attach deadline and redialed.
 
 :class:`Oracle` is an independent model of the spec (registry and supersession, the surplus
 cap, step-time estimates, pacing, rounds and attempts, PUSH acceptance rows 4–11, grace,
@@ -50,7 +70,9 @@ Two more kinds of run use the same model:
 - BUDGET (spec/closure.md § 3): ``--learner-budget-steps`` with a checkpoint path; each learner
   sends BUDGET_DONE once at a drawn time (before the start, during the rounds, as the final cut
   reaches it, or never), sometimes from a new generation, and stops answering pulls on that
-  connection. The model cancels every uncommitted round at the first accepted report (one
+  connection; a few send a wrong step count first (``BUDGET_MISMATCH``, then redial and report)
+  or the report twice (``DUPLICATE_BUDGET_DONE`` before the cut, ignored after it). The model
+  cancels every uncommitted round at the first accepted report (one
   ``round_cancelled`` line each, their timers gone, no launch after, their late PUSHes
   PUSH_OUT_OF_ROUND), ignores reports after the final cut, and expects the unmarked recovery
   checkpoint, the ``budget_cutoff`` line and exit 0 once all M reported, or all of that with
@@ -59,9 +81,10 @@ Two more kinds of run use the same model:
   ``--total-steps C+F``, ``--quorum M``, no budget), which must merge every learner in each
   of the F rounds and finish with a marked final checkpoint at C+F.
 
-Not covered here: bf16 and q4 sessions, iso fragments, early (streamed) broadcasts, data
-streams, learners that break the protocol (refused BUDGET_DONE reports included), a crash of a
-budget (cutoff) process, and a learner that reconnects to the resumed syncer after its SHUTDOWN.
+Not covered here: iso fragments, early (streamed) broadcasts, the transport itself (the data
+sockets' DATA_HELLO checks and attach deadline, frame-decoder checks such as a PUSH's fragment
+id ≥ F), a failed commit (a merge that overflows), a crash of a budget (cutoff) process, and a
+learner that reconnects to the resumed syncer after its SHUTDOWN.
 
 ``YETO_SIM_SEEDS=N`` runs N seeds per mode instead of the defaults (a soak run).
 """
@@ -88,6 +111,7 @@ from numpy.typing import NDArray
 
 from yeto_proto.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from yeto_proto.constants import MergeMode, WireDtype
+from yeto_proto.dtypes import encode_tensor
 from yeto_proto.errors import ErrorCode
 from yeto_proto.identity import DeltaCorrection, LearnerWeight
 from yeto_proto.layout import WireFragment, WireLayout
@@ -151,6 +175,10 @@ class Mode(enum.Enum):
     SILENT = "silent"
     #: Late, missing, duplicate and stale answers, reconnects, lingering groups; nice later.
     CHAOS = "chaos"
+    #: As NICE, but until ``chaos_until`` learners now and then send a frame that breaks the
+    #: protocol (spec/syncer.md § 1–6 and § 12, spec/closure.md § 2), and data streams may
+    #: never attach; a learner whose group the syncer closes redials as a restarted process.
+    BREAKER = "breaker"
 
 
 # -- the scenario ---------------------------------------------------------------------------------
@@ -181,6 +209,16 @@ class Behaviour:
     budget_redial: bool = False
     #: Its budget runs out just as the final cut reaches it: it reports before its ACK.
     budget_at_cut: bool = False
+    #: Data sockets announced in each HELLO (spec/wire.md § 5): the transport reports the group
+    #: ready once they all attached, and holds its messages until then.
+    streams: int = 0
+    #: A dial whose data streams never all attach (one goes to another group, or never
+    #: arrives): the transport closes the group after its attach deadline.
+    stream_fail_p: float = 0.0
+    #: How often an action is replaced by a protocol-breaking frame (BREAKER, until chaos ends).
+    break_p: float = 0.0
+    #: A refused BUDGET_DONE: "mismatch" before the real report, "duplicate" after it.
+    bad_budget: str | None = None
 
 
 @dataclass
@@ -199,6 +237,8 @@ class Scenario:
     stray: bool = False
     #: After a complete budget cutoff: the consolidation restart (spec/closure.md § 5).
     consolidate: bool = False
+    #: The session dtype (spec/dtypes.md): f32, bf16 or q4 PUSHes.
+    dtype: WireDtype = WireDtype.F32
 
     @property
     def exact_numerics(self) -> bool:
@@ -266,6 +306,7 @@ def make_scenario(seed: int, mode: Mode, *, budget: bool = False, resume: bool =
     if mode is Mode.SILENT:
         behaviours[rng.randint(1, learners - 1)].silent = True
     scenario = Scenario(seed, mode, config, layout, behaviours, rng.uniform(5.0, 60.0))
+    draw_wire(scenario, random.Random(f"{seed}/{mode.value}/wire"))
     # Drawn from their own stream, so that the sessions above stay the same.
     extra = random.Random(f"{seed}/{mode.value}/{budget}/{resume}")
     if budget:
@@ -276,6 +317,25 @@ def make_scenario(seed: int, mode: Mode, *, budget: bool = False, resume: bool =
         scenario.crash_after = extra.choice([0, 1, 2, extra.randint(3, 30), extra.randint(3, 150)])
         scenario.stray = extra.random() < 0.5
     return scenario
+
+
+def draw_wire(scenario: Scenario, rng: random.Random) -> None:
+    """The session dtype, data streams and protocol breakers, from a stream of their own (the
+    rest of the session stays what it was before these were drawn)."""
+    scenario.dtype = rng.choice([WireDtype.F32] * 2 + [WireDtype.BF16, WireDtype.Q4])
+    if scenario.dtype is WireDtype.Q4 and rng.random() < 0.5:
+        # a fragment of more than one q4 block (256 values), the last one padded
+        fragments = list(scenario.layout.fragments)
+        p = rng.randrange(len(fragments))
+        fragments[p] = WireFragment(fragments[p].merge_mode, (rng.randint(257, 700),))
+        scenario.layout = WireLayout(tuple(fragments))
+    rough = scenario.mode in (Mode.CHAOS, Mode.BREAKER)
+    for behaviour in scenario.behaviours:
+        behaviour.streams = rng.choice([0, 0, 0, 1, 2, 4])
+        if rough and behaviour.streams:
+            behaviour.stream_fail_p = rng.choice([0.0, 0.1, 0.3])
+        if scenario.mode is Mode.BREAKER:
+            behaviour.break_p = rng.choice([0.02, 0.05, 0.1, 0.2])
 
 
 def draw_budget(scenario: Scenario, rng: random.Random) -> None:
@@ -305,6 +365,8 @@ def draw_budget(scenario: Scenario, rng: random.Random) -> None:
             behaviour.budget_at = base + rng.uniform(0.0, spread)
             behaviour.budget_at_cut = when >= 0.75 and rng.random() < 0.5
         behaviour.budget_redial = rng.random() < 0.3
+        if learner != missing and rng.random() < 0.2:
+            behaviour.bad_budget = rng.choice(["mismatch", "duplicate"])
 
 
 # -- canonical actions (determinism, payload immutability) ----------------------------------------
@@ -367,6 +429,54 @@ def spec_avg_none_step(
     return theta, buf, math.sqrt(float(np.sum(delta.astype(np.float64) ** 2)))
 
 
+# -- wire encodings (spec/dtypes.md), written again from the spec text ---------------------------
+def spec_nbytes(dtype: WireDtype, numel: int, *, push: bool) -> int:
+    """§ 2: f32 4·n, bf16 2·n, q4 (PUSH of a q4 session only) ⌈n / 256⌉ · 132."""
+    if dtype is WireDtype.Q4 and push:
+        return -(-numel // 256) * 132
+    return (4 if dtype is WireDtype.F32 else 2) * numel
+
+
+def spec_bf16_encode(values: F32Array) -> bytes:
+    """§ 4: round to nearest, ties to even; a NaN becomes ``hi | 0x0040``."""
+    b = np.asarray(values, "<f4").view("<u4").astype(np.uint64)
+    hi = b >> np.uint64(16)
+    rounded = (b + np.uint64(0x7FFF) + (hi & np.uint64(1))) >> np.uint64(16)
+    nan = (b & np.uint64(0x7FFFFFFF)) > np.uint64(0x7F800000)
+    out = np.where(nan, hi | np.uint64(0x0040), rounded)
+    return out.astype("<u2").tobytes()
+
+
+def spec_bf16_decode(raw: bytes) -> F32Array:
+    """§ 4: the f32 bit pattern is ``bits << 16``."""
+    bits = np.frombuffer(raw, "<u2").astype(np.uint32) << np.uint32(16)
+    return bits.astype("<u4").view("<f4").astype(np.float32)
+
+
+def spec_q4_decode(raw: bytes, numel: int) -> F32Array | None:
+    """§ 5.2: per block, nibble ``s·8 + L`` → ``m · σ`` in f32, ``m = (−1)^s · 2^(L−7)`` for
+    ``L ≥ 1`` and +0.0 for ``L = 0``. None when a scale is NaN, infinite or negative."""
+    out = np.empty(numel, np.float32)
+    for block in range(len(raw) // 132):
+        chunk = raw[block * 132 : (block + 1) * 132]
+        scale = np.frombuffer(chunk[:4], "<f4")[0]
+        sign_bit = np.frombuffer(chunk[:4], "<u4")[0] >> 31
+        if not math.isfinite(float(scale)) or (sign_bit and scale != 0):
+            return None
+        packed = np.frombuffer(chunk[4:], np.uint8)
+        nibbles = np.empty(256, np.uint8)
+        nibbles[0::2] = packed & 0x0F  # element 2i in the low nibble
+        nibbles[1::2] = packed >> 4
+        level = (nibbles & 7).astype(np.int32)
+        sign = np.where(nibbles & 8, -1.0, 1.0)
+        m = np.where(level == 0, 0.0, sign * np.exp2(level - 7.0)).astype(np.float32)
+        values = (m * np.float32(scale)).astype(np.float32)  # one f32 product each
+        start = block * 256
+        stop = min(start + 256, numel)
+        out[start:stop] = values[: stop - start]
+    return out
+
+
 # -- the independent model ------------------------------------------------------------------------
 @dataclass
 class OGroup:
@@ -427,7 +537,8 @@ class Oracle:
         self.s = scenario
         self.config = scenario.config
         self.layout = scenario.layout
-        self.limits = Limits.of(WireDtype.F32, scenario.layout)
+        self.dtype = scenario.dtype
+        self.limits = Limits.of(scenario.dtype, scenario.layout)
         self.F = len(scenario.layout.fragments)
         self.groups: dict[GroupKey, OGroup] = {}
         self.admitted: set[GroupKey] = set()
@@ -539,7 +650,7 @@ class Oracle:
         self.actions = actions
         self.exp_bcast: list[tuple[GroupKey, int, int]] = []
         self.exp_tape: list[dict[str, Any]] = []
-        self.exp_closes: list[GroupKey] = []
+        self.exp_closes: list[tuple[GroupKey, ErrorCode | None]] = []
         self.exp_ckpts: list[tuple[str, int]] = []
         self.exp_final_sends: list[tuple[GroupKey, Any]] = []
         self.exp_pulls: list[tuple[GroupKey, tuple[int, int, int]]] = []
@@ -592,7 +703,9 @@ class Oracle:
         check(key not in self.admitted, f"simulation reused {key}")
         self.admitted.add(key)
         self.groups[key] = OGroup(key, next(self.seq))
-        self.expect_admit = (conn, key)
+        self.expect_admit = (conn, key, hello.num_streams)
+        if hello.num_streams:
+            self.bump("streams_announced")
         mine = sorted(
             (g for g in self.groups.values() if g.key.learner_id == key.learner_id),
             key=lambda g: g.seq,
@@ -603,7 +716,7 @@ class Oracle:
                 break
             if group.key == self.current.get(key.learner_id):
                 continue
-            self.exp_closes.append(group.key)
+            self.exp_closes.append((group.key, None))
             self.bump("surplus_closed")
             self.remove(group.key)
             surplus -= 1
@@ -647,15 +760,11 @@ class Oracle:
             return
         match message:
             case InitParams(fragment_id=fragment, data=data):
-                check(key.learner_id == 0, "only learner 0 INITs in this simulation")
-                if self.params[fragment] is not None:
-                    self.bump("init_ignored")
+                self.on_init(key, fragment, bytes(data))
+            case Heartbeat(learner_id=learner_id, local_step=local_step):
+                if learner_id != key.learner_id:  # § 3
+                    self.fatal(key, ErrorCode.LEARNER_ID_MISMATCH, "heartbeat")
                     return
-                self.params[fragment] = np.frombuffer(bytes(data), "<f4").astype(np.float32)
-                self.history[(fragment, 0)] = bytes(data)
-                self.momentum[fragment] = np.zeros(self.layout.fragments[fragment].numel, "f4")
-                self.advance()
-            case Heartbeat(local_step=local_step):
                 if self.current.get(key.learner_id) == key:
                     self.observe(key.learner_id, local_step, self.now)
                     self.pacing_changed = True
@@ -665,8 +774,76 @@ class Oracle:
                 self.on_ack(key, message)
             case BudgetDone():
                 self.on_budget(key, message)
-            case _:
-                raise SimFailure(f"the simulation sent {message}")
+            case _:  # a frame only the syncer sends
+                self.fatal(key, ErrorCode.WRONG_DIRECTION, type(message).__name__)
+
+    def fatal(self, key: GroupKey, code: ErrorCode, what: str) -> None:
+        """spec/errors.md § 1: ERROR on that group, which is closed and forgotten; nothing of
+        the frame enters any state, and other groups go on."""
+        self.bump(f"fatal:{code.value}")
+        self.bump(f"fatal:{code.value}:{what}")
+        self.exp_closes.append((key, code))
+        if self.remove(key):
+            self.finish_if_delivered()
+            self.pacing_changed = True
+
+    def on_init(self, key: GroupKey, fragment: int, data: bytes) -> None:
+        """spec/syncer.md § 1 item 2, rows 1 and 3–6 (row 2 is the frame decoder's)."""
+        if key.learner_id != 0:
+            self.fatal(key, ErrorCode.INIT_NOT_ALLOWED, "init")
+            return
+        if self.params[fragment] is not None:
+            self.bump("init_ignored")
+            if not self.finite_bulk(data):
+                self.bump("init_ignored_non_finite")
+            return
+        numel = self.layout.fragments[fragment].numel
+        if len(data) != spec_nbytes(self.dtype, numel, push=False):
+            self.fatal(key, ErrorCode.BAD_TENSOR_LENGTH, "init")
+            return
+        values = self.decode_bulk(data)
+        if not np.all(np.isfinite(values)):
+            self.fatal(key, ErrorCode.NON_FINITE_VALUE, "init")
+            return
+        self.params[fragment] = values
+        self.history[(fragment, 0)] = self.bulk_bytes(fragment)
+        self.momentum[fragment] = np.zeros(numel, "f4")
+        self.advance()
+
+    def decode_bulk(self, data: bytes) -> F32Array:
+        """INIT and BCAST: f32, or bf16 in bf16 and q4 sessions (spec/dtypes.md § 1)."""
+        if self.dtype is WireDtype.F32:
+            return np.frombuffer(data, "<f4").astype(np.float32)
+        return spec_bf16_decode(data)
+
+    def finite_bulk(self, data: bytes) -> bool:
+        size = 4 if self.dtype is WireDtype.F32 else 2
+        return len(data) % size == 0 and bool(np.all(np.isfinite(self.decode_bulk(data))))
+
+    def bulk_bytes(self, fragment: int) -> bytes:
+        """The BCAST payload of the fragment's current params."""
+        params = self.params[fragment]
+        assert params is not None
+        if self.dtype is WireDtype.F32:
+            return params.astype("<f4").tobytes()
+        return spec_bf16_encode(params)
+
+    def decode_push(self, data: bytes, numel: int) -> F32Array | ErrorCode:
+        """spec/syncer.md § 6 rows 12–13, on a PUSH the round would accept."""
+        if len(data) != spec_nbytes(self.dtype, numel, push=True):
+            return ErrorCode.BAD_TENSOR_LENGTH
+        if self.dtype is WireDtype.F32:
+            values = np.frombuffer(data, "<f4").astype(np.float32)
+        elif self.dtype is WireDtype.BF16:
+            values = spec_bf16_decode(data)
+        else:
+            decoded = spec_q4_decode(data, numel)
+            if decoded is None:
+                return ErrorCode.BAD_Q4_SCALE
+            values = decoded
+        if not np.all(np.isfinite(values)):
+            return ErrorCode.NON_FINITE_VALUE
+        return values
 
     def verdict(self, key: GroupKey, push: PushFragment) -> ErrorCode | None:
         target = self.rounds.get(push.global_step)
@@ -688,12 +865,21 @@ class Oracle:
         return None
 
     def on_push(self, key: GroupKey, push: PushFragment) -> None:
+        if push.learner_id != key.learner_id:  # row 1
+            self.fatal(key, ErrorCode.LEARNER_ID_MISMATCH, "push")
+            return
+        if push.c_steps == 0:  # row 2
+            self.fatal(key, ErrorCode.ZERO_C_STEPS, "push")
+            return
         if self.current.get(key.learner_id) == key:
             self.observe(key.learner_id, push.local_step, self.now)
             self.pacing_changed = True
         code = self.verdict(key, push)
         if code is not None:
             self.bump(f"rejected:{code.value}")
+            numel = self.layout.fragments[push.fragment_id].numel
+            if not isinstance(self.decode_push(bytes(push.data), numel), np.ndarray):
+                self.bump("rejected_undecodable")  # judged before decoded: not fatal
             if push.global_step in self.cancelled:
                 check(code is ErrorCode.PUSH_OUT_OF_ROUND, "a cancelled round's PUSH")
                 self.bump("rejected_cancelled")
@@ -711,13 +897,17 @@ class Oracle:
                 }
             )
             return
+        target = self.rounds[push.global_step]
+        values = self.decode_push(bytes(push.data), self.layout.fragments[target.fragment].numel)
+        if isinstance(values, ErrorCode):  # rows 12–13
+            self.fatal(key, values, "push")
+            return
         self.bump("accepted")
+        self.bump(f"accepted_{self.dtype.name.lower()}")
         if self.current.get(key.learner_id) != key:
             self.bump("accepted_superseded")
-        if push.base_version < self.rounds[push.global_step].launch_version:
+        if push.base_version < target.launch_version:
             self.bump("accepted_stale")
-        target = self.rounds[push.global_step]
-        values = np.frombuffer(bytes(push.data), "<f4").astype(np.float32)
         target.accepted[key] = OPush(push, values, self.now)
         if target.quorum_at is None and len(target.accepted) >= target.quorum:
             target.quorum_at = self.now
@@ -794,9 +984,16 @@ class Oracle:
 
     def on_ack(self, key: GroupKey, ack: FinalAck) -> None:
         final = self.final
-        check(final is not None, "the simulation ACKed before the cut")
-        assert final is not None
-        check(key in final.queued and ack.final_global_step == final.step, "bad ACK sent")
+        # § 12: before the cut, from a generation the cut was not queued to, for another step
+        if final is None:
+            self.fatal(key, ErrorCode.UNEXPECTED_FINAL_ACK, "ack_early")
+            return
+        if key not in final.queued:
+            self.fatal(key, ErrorCode.UNEXPECTED_FINAL_ACK, "ack_unqueued")
+            return
+        if ack.final_global_step != final.step:
+            self.fatal(key, ErrorCode.UNEXPECTED_FINAL_ACK, "ack_step")
+            return
         if key in final.acked:
             self.bump("ack_repeated")
             return
@@ -867,9 +1064,16 @@ class Oracle:
     # -- the budget cutoff (spec/closure.md § 3) -------------------------------------------
     def on_budget(self, key: GroupKey, report: BudgetDone) -> None:
         budget = self.config.learner_budget_steps
-        check(budget is not None, "the simulation reported a budget the syncer does not have")
-        check(report.exact_local_steps == budget, "the simulation reported another budget")
-        check(key.learner_id not in self.reported, "the simulation reported twice")
+        # spec/closure.md § 2, in the table's order
+        if budget is None:
+            self.fatal(key, ErrorCode.BUDGET_NOT_CONFIGURED, "budget")
+            return
+        if report.exact_local_steps != budget:
+            self.fatal(key, ErrorCode.BUDGET_MISMATCH, "budget")
+            return
+        if key.learner_id in self.reported:
+            self.fatal(key, ErrorCode.DUPLICATE_BUDGET_DONE, "budget")
+            return
         if self.final is not None:
             # item 6: the ordinary rounds ran out first; logged, ignored and not recorded
             self.bump("budget_after_cut")
@@ -987,7 +1191,7 @@ class Oracle:
         self.global_step = step
         self.next_step = step + 1
         for p, version in enumerate(self.versions):
-            self.history[(p, version)] = self.f32_bytes(p)
+            self.history[(p, version)] = self.bulk_bytes(p)
         self.bump("resumed")
         self.exp_tape.append(
             {
@@ -1058,7 +1262,7 @@ class Oracle:
         self.params[p], self.momentum[p] = theta, buf
         self.versions[p] = done.step
         self.global_step = done.step
-        self.history[(p, done.step)] = self.f32_bytes(p)
+        self.history[(p, done.step)] = self.bulk_bytes(p)
         self.snapshots[done.step] = self.snapshot()
         assert done.completed_at is not None
         sync_s = max(self.now - done.completed_at, 0.0)
@@ -1269,17 +1473,21 @@ class Oracle:
             )
             return
         if isinstance(event, HelloReceived):
-            conn, admitted = self.expect_admit
+            conn, admitted, streams = self.expect_admit
             check(
-                admits == [AdmitGroup(conn, admitted, 0, self.limits)],
+                admits == [AdmitGroup(conn, admitted, streams, self.limits)],
                 f"admission of {admitted}: {admits}",
             )
         else:
             check(not admits, f"admitted without a HELLO: {admits}")
         check(not refusals, "a HELLO was refused")
-        closes = [a for a in actions if isinstance(a, CloseGroup)]
+        closes = [
+            (a.group, None if a.error is None else a.error.text.partition(":")[0])
+            for a in actions
+            if isinstance(a, CloseGroup)
+        ]
         check(
-            closes == [CloseGroup(k, None) for k in self.exp_closes],
+            closes == [(k, None if c is None else c.value) for k, c in self.exp_closes],
             f"closes {closes}, expected {self.exp_closes}",
         )
         # sends: BCAST (as a multiset, then its order rules), PULL, the cut, SHUTDOWN
@@ -1485,6 +1693,19 @@ def members_json(keys: Iterable[GroupKey]) -> list[dict[str, int]]:
     return [{"id": k.learner_id, "generation": k.generation} for k in sorted(keys)]
 
 
+def unchecked_push(template: PushFragment, **fields: Any) -> PushFragment:
+    """A PUSH its constructor would refuse (c_steps 0): as if a decoder had let it through."""
+    push = object.__new__(PushFragment)
+    for name in (f.name for f in dataclasses.fields(PushFragment)):
+        value = fields.get(name, getattr(template, name))
+        object.__setattr__(push, name, memoryview(value) if name == "data" else value)
+    return push
+
+
+#: The transport's deadline for a group's data sockets (yeto_sync/transport/group.py).
+ATTACH_TIMEOUT_S = 10.0
+
+
 # -- the learners and the world -------------------------------------------------------------------
 @dataclass
 class Connection:
@@ -1494,6 +1715,8 @@ class Connection:
     #: the learner pushes random deltas).
     anchors: dict[int, int] = field(default_factory=dict)
     pending: list[PullReq] = field(default_factory=list)
+    #: Learner 0 sent its INITs before the group was ready (the transport held them).
+    early_init: bool = False
     manifest: FinalManifest | None = None
     acked: bool = False
     ready: bool = False
@@ -1518,10 +1741,27 @@ class Learner:
         self.reported = False
         self.want_report = False
         self.redialed_for_report = False
+        self.budget_broken = False
+        self.ack_broken = False
+        #: The last PULLs it received, on any connection (a breaker answers an old one).
+        self.recent_pulls: list[PullReq] = []
 
     @property
     def rng(self) -> random.Random:
         return self.world.rng
+
+    @property
+    def breaking(self) -> bool:
+        """This action is replaced, or preceded, by a protocol-breaking frame."""
+        return (
+            self.b.break_p > 0
+            and self.world.now < self.world.chaos_until
+            and self.rng.random() < self.b.break_p
+        )
+
+    @property
+    def dtype(self) -> WireDtype:
+        return self.world.scenario.dtype
 
     @property
     def chaotic(self) -> bool:
@@ -1542,15 +1782,23 @@ class Learner:
         hello = Hello(
             learner_id=self.id,
             generation=self.generation,
-            dtype=WireDtype.F32,
+            dtype=self.dtype,
             layout=self.world.scenario.layout,
             layout_fingerprint=FINGERPRINT,
             session_contract=CONTRACT,
-            num_streams=0,
+            num_streams=self.b.streams,
             profile_hash=None,
         )
         self.world.feed(HelloReceived(self.world.next_conn(), hello))
-        if self.chaotic and self.rng.random() < self.b.abandon_p:
+        rough = self.chaotic or (
+            self.world.scenario.mode is Mode.BREAKER and self.world.now < self.world.chaos_until
+        )
+        if rough and self.b.stream_fail_p > 0 and self.rng.random() < self.b.stream_fail_p:
+            # a data stream never attaches (it named another group, or never came): the
+            # transport closes the group at its attach deadline; the learner then redials
+            self.world.later(ATTACH_TIMEOUT_S, "attach_timeout", key)
+            self.world.oracle.bump("streams_never_attached")
+        elif self.chaotic and self.rng.random() < self.b.abandon_p:
             # it gives up on a slow connection and dials again; the old group becomes ready
             # later (after the new one, or never before it closes)
             self.world.later(self.rng.uniform(0.2, 3.0), "ready", key)
@@ -1558,21 +1806,53 @@ class Learner:
             self.conn.live = False
             self.world.later(self.rng.uniform(0.0, 0.2), "dial", self.id)
             return
-        self.world.later(self.rng.uniform(0.0, 0.05), "ready", key)
+        else:
+            # each data stream attaches after its own delay; the group is ready with the last
+            attach = [self.rng.uniform(0.0, 0.3) for _ in range(self.b.streams)]
+            self.world.later(max(attach, default=self.rng.uniform(0.0, 0.05)), "ready", key)
+        if self.id == 0 and self.b.streams and self.rng.random() < 0.5:
+            # it INITs at once: the transport holds the frames until the group is ready
+            self.conn.early_init = True
+            self.initialize()
+
+    def initialize(self) -> None:
+        # learner 0 INITs on every connection until it has seen every fragment come back
+        if self.inited and self.rng.random() >= self.b.reinit_p:
+            return
+        self.inited = len(self.seen) == len(self.world.init_params)
+        if self.breaking:
+            self.bad_init()
+        for p, values in enumerate(self.world.init_params):
+            data = encode_tensor(values, self.dtype, push=False).tobytes()
+            self.send(InitParams(p, data), self.rng.uniform(0, 0.02))
+
+    def bad_init(self) -> None:
+        """Learner 0's INIT of a fragment with a NaN or infinity (fatal unless the fragment is
+        held: row 3 comes first), or with a wrong length (sent only for a fragment not held)."""
+        p = self.rng.randrange(len(self.world.init_params))
+        values = self.world.init_params[p].copy()
+        if self.world.oracle.params[p] is None and self.rng.random() < 0.3:
+            data = encode_tensor(values, self.dtype, push=False).tobytes()
+            data = data[: -self.rng.randint(1, 2)] if self.rng.random() < 0.5 else data + b"\0\0"
+        else:
+            values[self.rng.randrange(values.size)] = self.rng.choice([np.nan, np.inf, -np.inf])
+            data = encode_tensor(values, self.dtype, push=False).tobytes()
+        self.send(InitParams(p, data), 0.0)
 
     def on_ready(self, key: GroupKey) -> None:
-        self.world.feed(GroupReady(key))
+        self.world.group_ready(key)
         conn = self.conn
         if conn is None or conn.key != key or not conn.live:
             return
         conn.ready = True
-        if self.id == 0 and (not self.inited or self.rng.random() < self.b.reinit_p):
-            # learner 0 INITs on every connection until it has seen every fragment come back
-            self.inited = len(self.seen) == len(self.world.init_params)
-            for p, values in enumerate(self.world.init_params):
-                self.send(InitParams(p, values.astype("<f4").tobytes()), self.rng.uniform(0, 0.02))
+        if self.id == 0 and not conn.early_init:
+            self.initialize()
             if self.chaotic and self.rng.random() < self.b.disconnect_p / 2:
                 self.world.later(self.rng.uniform(0.0, 0.03), "drop", self.id)  # mid-INIT
+        if self.id != 0 and self.breaking:  # spec/syncer.md § 1 item 2 row 1
+            p = self.rng.randrange(len(self.world.init_params))
+            data = encode_tensor(self.world.init_params[p], self.dtype, push=False).tobytes()
+            self.send(InitParams(p, data), self.rng.uniform(0, 0.02))
         if self.want_report:
             self.report()
         self.world.later(self.rng.uniform(0.1, 1.0), "heartbeat", (self.id, key))
@@ -1597,6 +1877,17 @@ class Learner:
         assert conn is not None
         budget = self.world.scenario.config.learner_budget_steps
         assert budget is not None
+        if self.b.bad_budget == "mismatch" and not self.budget_broken:
+            # another step count first (fatal BUDGET_MISMATCH): it reports again after the
+            # redial its closed group causes
+            self.budget_broken = True
+            self.want_report = True
+            self.send(BudgetDone(budget + self.rng.choice([1, -1 if budget > 1 else 2])), 0.0)
+            return
+        if self.b.bad_budget == "duplicate" and not self.budget_broken:
+            # the same report again, later (fatal DUPLICATE_BUDGET_DONE if the first counted)
+            self.budget_broken = True
+            self.send(BudgetDone(budget), self.rng.uniform(0.05, 0.5))
         self.want_report = False
         self.reported = True
         conn.frozen = True
@@ -1609,8 +1900,38 @@ class Learner:
         conn = self.conn
         if conn is None or conn.key != key or not conn.live or self.done:
             return
+        if self.breaking:
+            self.bad_control()
         self.send(Heartbeat(self.id, self.local_step()), 0.0)
         self.world.later(self.rng.uniform(0.3, 2.0), "heartbeat", (self.id, key))
+
+    def bad_control(self) -> None:
+        """A control frame that breaks the protocol (the verdicts are the model's)."""
+        kind = self.rng.choice(["heartbeat", "heartbeat", "ack", "budget", "direction", "init"])
+        oracle = self.world.oracle
+        if kind == "heartbeat":  # spec/syncer.md § 3: LEARNER_ID_MISMATCH
+            other = self.rng.choice([i for i in range(5) if i != self.id])
+            self.send(Heartbeat(other, self.local_step()), 0.0)
+        elif kind == "ack":  # § 12: before the cut, not queued to it, or another step
+            final, conn = oracle.final, self.conn
+            assert conn is not None
+            if final is None:
+                step = self.rng.randint(0, 20)
+            else:
+                step = final.step + (conn.key in final.queued)
+            self.send(FinalAck(step), 0.0)
+        elif kind == "budget":  # spec/closure.md § 2
+            budget = self.world.scenario.config.learner_budget_steps
+            self.send(BudgetDone(self.rng.randint(1, 9) if budget is None else budget + 1), 0.0)
+        elif kind == "direction":  # a frame only the syncer sends
+            p = self.rng.randrange(len(self.world.init_params))
+            self.send(self.rng.choice([PullReq(p, 1, 1), Shutdown()]), 0.0)
+        elif self.id == 0:
+            self.bad_init()
+        else:  # INIT_NOT_ALLOWED
+            p = self.rng.randrange(len(self.world.init_params))
+            data = encode_tensor(self.world.init_params[p], self.dtype, push=False).tobytes()
+            self.send(InitParams(p, data), 0.0)
 
     def send(self, message: AnyMessage, delay: float) -> None:
         assert self.conn is not None
@@ -1650,6 +1971,7 @@ class Learner:
                     self.seen.setdefault(p, set()).add(v)
                 self.answer_pending()
             case PullReq():
+                self.recent_pulls = [*self.recent_pulls[-7:], message]
                 if conn.frozen:
                     return
                 conn.pending.append(message)
@@ -1698,6 +2020,8 @@ class Learner:
         late = chaotic and self.rng.random() < self.b.late_p
         quorum_timeout = self.world.scenario.config.quorum_timeout_s
         delay = self.rng.uniform(0.3, 1.5 * quorum_timeout) if late else self.rng.uniform(0, 0.3)
+        if self.breaking:
+            self.bad_push(pull, self.rng.uniform(0.0, 0.3))
         self.push(pull, delay)
         if chaotic and self.rng.random() < self.b.dup_p:
             self.push(pull, delay + self.rng.uniform(0.0, 0.5))
@@ -1710,13 +2034,12 @@ class Learner:
             base = self.rng.choice(sorted(self.seen[pull.fragment_id]))
         elif self.chaotic and self.rng.random() < self.b.future_p:
             base += self.rng.randint(1, 3)  # not protocol: PUSH_FUTURE_BASE, kept open
+        self.send(self.push_for(pull, base), delay)
+
+    def push_for(self, pull: PullReq, base: int) -> PushFragment:
         numel = self.world.scenario.layout.fragments[pull.fragment_id].numel
-        rng = self.world.nrng
-        delta = rng.normal(0.0, 0.1, numel).astype(np.float32)
-        if rng.random() < 0.1:
-            delta[rng.random(numel) < 0.5] = -0.0
         tokens = 0 if self.rng.random() < self.b.zero_tokens_p else self.rng.randint(1, 5000)
-        message = PushFragment(
+        return PushFragment(
             learner_id=self.id,
             fragment_id=pull.fragment_id,
             global_step=pull.global_step,
@@ -1725,9 +2048,92 @@ class Learner:
             local_step=self.local_step(),
             c_steps=self.rng.randint(1, 8),
             c_tokens=tokens,
-            data=delta.astype("<f4").tobytes(),
+            data=self.delta_bytes(numel),
         )
-        self.send(message, delay)
+
+    def delta_bytes(self, numel: int) -> bytes:
+        """A random delta in the session's push encoding (yeto's encoder: the model decodes
+        it with its own). In q4 sessions some are raw blocks that use the decoder's liberties
+        (nibble 8, a −0.0 scale, non-zero padding: spec/dtypes.md § 5.2)."""
+        rng = self.world.nrng
+        delta = rng.normal(0.0, 0.1, numel).astype(np.float32)
+        if rng.random() < 0.1:
+            delta[rng.random(numel) < 0.5] = -0.0
+        if rng.random() < 0.1:  # ties and small values: the rounding rules matter
+            delta *= np.float32(2.0 ** rng.integers(-20, 4))
+        if self.dtype is WireDtype.Q4 and rng.random() < 0.3:
+            blocks = -(-numel // 256)
+            raw = bytearray(rng.integers(0, 256, blocks * 132, dtype=np.uint8).tobytes())
+            for block in range(blocks):
+                scale = np.float32(abs(rng.normal(0.0, 0.2)))
+                if rng.random() < 0.1:
+                    scale = np.float32(-0.0)
+                raw[block * 132 : block * 132 + 4] = scale.astype("<f4").tobytes()
+            self.world.oracle.bump("q4_raw_blocks")
+            return bytes(raw)
+        return encode_tensor(delta, self.dtype, push=True).tobytes()
+
+    def bad_push(self, pull: PullReq, delay: float) -> None:
+        """A PUSH that breaks the protocol, before the learner's real answer (spec/syncer.md
+        § 6 rows 1–2 and 4–13); the model says whether it is fatal, rejected or accepted."""
+        conn = self.conn
+        assert conn is not None
+        layout = self.world.scenario.layout
+        base = conn.anchors[pull.fragment_id]
+        push = self.push_for(pull, base)
+        numel = layout.fragments[pull.fragment_id].numel
+        kinds = ["zero_c_steps", "learner_id", "non_finite", "non_finite", "length"]
+        kinds += ["never_launched", "attempt", "old_pull"]
+        if len(layout.fragments) > 1:
+            kinds.append("other_fragment")
+        kind = self.rng.choice(kinds)
+        if kind == "old_pull" and not self.recent_pulls:
+            kind = "attempt"
+        fields: dict[str, Any] = {}
+        if kind == "zero_c_steps":
+            fields["c_steps"] = 0
+        elif kind == "learner_id":
+            fields["learner_id"] = self.rng.choice([i for i in range(5) if i != self.id])
+        elif kind == "non_finite":
+            fields["data"] = self.non_finite_bytes(numel)
+        elif kind == "length":
+            data = bytes(push.data)
+            cut = self.rng.choice([1, 2, 4, len(data)])
+            fields["data"] = data[:-cut] if self.rng.random() < 0.5 else data + bytes(cut)
+        elif kind == "never_launched":
+            fields["global_step"] = pull.global_step + self.rng.randint(3, 50)
+        elif kind == "attempt":
+            fields["round_attempt"] = pull.round_attempt + self.rng.choice([1, 2])
+        elif kind == "old_pull":  # an old connection's PULL answered from this one
+            old = self.rng.choice(self.recent_pulls)
+            anchor = conn.anchors.get(old.fragment_id, 0)
+            fields.update(
+                fragment_id=old.fragment_id,
+                global_step=old.global_step,
+                round_attempt=old.round_attempt,
+                base_version=anchor,
+                data=self.delta_bytes(layout.fragments[old.fragment_id].numel),
+            )
+        else:  # a fragment it was not pulled for
+            other = self.rng.choice(
+                [q for q in range(len(layout.fragments)) if q != pull.fragment_id]
+            )
+            fields.update(fragment_id=other, data=self.delta_bytes(layout.fragments[other].numel))
+        self.world.oracle.bump(f"bad_push:{kind}")
+        self.send(unchecked_push(push, **fields), delay)
+
+    def non_finite_bytes(self, numel: int) -> bytes:
+        """f32 and bf16: a NaN or an infinity; q4: a NaN, infinite or negative block scale."""
+        rng = self.world.nrng
+        delta = rng.normal(0.0, 0.1, numel).astype(np.float32)
+        if self.dtype is WireDtype.Q4:
+            raw = bytearray(encode_tensor(delta, self.dtype, push=True).tobytes())
+            block = self.rng.randrange(len(raw) // 132)
+            scale = self.rng.choice([np.nan, np.inf, -np.inf, -1.0, -1e-30])
+            raw[block * 132 : block * 132 + 4] = np.float32(scale).astype("<f4").tobytes()
+            return bytes(raw)
+        delta[self.rng.randrange(numel)] = self.rng.choice([np.nan, np.inf, -np.inf])
+        return encode_tensor(delta, self.dtype, push=True).tobytes()
 
     def maybe_ack(self) -> None:
         conn = self.conn
@@ -1742,6 +2148,9 @@ class Learner:
         if self.applied_cut and chaotic and self.rng.random() < self.b.disconnect_p:
             self.world.later(self.rng.uniform(0.0, 0.1), "drop", self.id)  # lost before re-ACK
             return
+        if not self.ack_broken and self.breaking:  # another step: UNEXPECTED_FINAL_ACK
+            self.ack_broken = True  # once: each costs a redial within the ACK deadline
+            self.send(FinalAck(manifest.final_global_step + 1), 0.0)
         conn.acked = True
         self.applied_cut = True
         delay = self.rng.uniform(0.0, 0.2)
@@ -1771,6 +2180,11 @@ class World:
         self.canon_actions: list[Any] = []
         #: per group, when its last queued frame reaches the learner (frames stay in order)
         self.in_flight_to: dict[GroupKey, float] = {}
+        #: The transport's view: groups whose data streams all attached, groups it dropped,
+        #: and the messages it holds for a group until it is ready.
+        self.ready: set[GroupKey] = set()
+        self.gone: set[GroupKey] = set()
+        self.held: dict[GroupKey, list[AnyMessage]] = {}
         self.init_params = [
             self.nrng.normal(0.0, 1.0, f.numel).astype(np.float32)
             for f in scenario.layout.fragments
@@ -1790,6 +2204,39 @@ class World:
 
     def next_conn(self) -> int:
         return next(self.conns)
+
+    def group_ready(self, key: GroupKey) -> None:
+        """GroupReady, then the messages held for the group, in order (the transport's rule)."""
+        self.ready.add(key)
+        self.feed(GroupReady(key))
+        held = self.held.pop(key, [])
+        if held:
+            self.oracle.bump("held_delivered", len(held))
+        for message in held:
+            self.receive(key, message)
+
+    def arrive(self, key: GroupKey, message: AnyMessage) -> None:
+        if key not in self.ready and key not in self.gone:
+            self.held.setdefault(key, []).append(message)
+            return
+        # a frame written before the learner dropped the connection still arrives
+        self.receive(key, message)
+
+    def receive(self, key: GroupKey, message: AnyMessage) -> None:
+        finite = None
+        if (
+            self.scenario.dtype is WireDtype.F32
+            and isinstance(message, InitParams | PushFragment)
+            and len(message.data) % 4 == 0
+            and self.rng.random() < 0.5
+        ):  # the transport's scan of an f32 tensor as it arrived (spec/syncer.md § 6)
+            finite = bool(np.all(np.isfinite(np.frombuffer(bytes(message.data), "<f4"))))
+        self.feed(MessageReceived(key, message, finite))
+
+    def group_gone(self, key: GroupKey, reason: str) -> None:
+        self.gone.add(key)
+        self.held.pop(key, None)
+        self.feed(GroupClosed(key, reason))
 
     def later(self, delay: float, kind: str, payload: Any) -> None:
         heapq.heappush(self.queue, (self.now + delay, next(self.order), kind, payload))
@@ -1825,6 +2272,8 @@ class World:
                         (at, next(self.order), "deliver", (group, message, snapshot)),
                     )
                 case CloseGroup(group=group):
+                    self.gone.add(group)
+                    self.held.pop(group, None)
                     self.later(0.0, "kicked", group)
                 case WriteCheckpoint(state=state):
                     self.last_checkpoint = state
@@ -1890,6 +2339,7 @@ class World:
         self.timers.clear()
         self.queue.clear()
         self.in_flight_to.clear()
+        self.held.clear()
         for learner in self.learners:
             learner.crashed()
         if self.scenario.stray:
@@ -1958,19 +2408,27 @@ class World:
                 self.learners[learner_id].heartbeat(key)
             case "arrive":
                 key, message = payload
-                # a frame written before the learner dropped the connection still arrives
-                self.feed(MessageReceived(key, message))
+                self.arrive(key, message)
             case "deliver":
                 key, message, snapshot = payload
                 check(canon(message) == snapshot, f"payload of {message!r} changed in flight")
                 self.learners[key.learner_id].deliver(key, message)
             case "closed":
-                self.feed(GroupClosed(payload, "simulated"))
+                self.group_gone(payload, "simulated")
+            case "attach_timeout":
+                if payload not in self.ready and payload not in self.gone:
+                    self.group_gone(payload, "HANDSHAKE_TIMEOUT: data streams missing")
+                    learner = self.learners[payload.learner_id]
+                    if learner.conn is not None and learner.conn.key == payload:
+                        learner.disconnect()
             case "kicked":
                 learner = self.learners[payload.learner_id]
                 conn = learner.conn
                 if conn is not None and conn.key == payload and conn.live:
-                    learner.disconnect()
+                    if self.scenario.mode is Mode.BREAKER:  # it restarts at once
+                        learner.disconnect(redial=self.rng.uniform(0.0, 0.1))
+                    else:
+                        learner.disconnect()
             case "drop":
                 learner = self.learners[payload]
                 if learner.conn is not None and not learner.done:
@@ -2016,10 +2474,12 @@ def time_bound(scenario: Scenario) -> float:
     )
     per_round = interval + config.grace_ms / 1000.0 + 0.5
     bound = 2.0 + config.total_steps * per_round + 1.0
-    if scenario.mode is Mode.CHAOS:  # then a round in flight may still miss its deadline once
+    if scenario.mode in (Mode.CHAOS, Mode.BREAKER):  # a round may still miss its deadline once
         bound += (
             scenario.chaos_until + 2 * (config.quorum_timeout_s + 1.0) + config.final_ack_timeout
         )
+    if any(b.stream_fail_p for b in scenario.behaviours):  # and a group its attach deadline
+        bound += ATTACH_TIMEOUT_S + 1.0
     return bound
 
 
@@ -2139,6 +2599,37 @@ def test_a_silent_learner_below_quorum_does_not_stall_the_run(seed: int) -> None
 @pytest.mark.parametrize("seed", seeds(100))
 def test_chaotic_sessions_match_the_spec(seed: int) -> None:
     simulate(seed, Mode.CHAOS)
+
+
+def test_the_models_codecs_give_the_spec_examples() -> None:
+    """The model's own bf16 and q4 codecs against spec/dtypes.md § 4 and § 5.5."""
+    f32 = [0x3F800000, 0xC0200000, 0x3DCCCCCD, 0x3F808000, 0x3F818000, 0x00008000, 0x80000000]
+    f32 += [0x7F7FFFFF, 0x7FA00000]
+    bf16 = [0x3F80, 0xC020, 0x3DCD, 0x3F80, 0x3F82, 0x0000, 0x8000, 0x7F80, 0x7FE0]
+    encoded = spec_bf16_encode(np.array(f32, "<u4").view("<f4"))
+    assert np.frombuffer(encoded, "<u2").tolist() == bf16
+    assert spec_bf16_decode(np.array([0x3F82], "<u2").tobytes()).tolist() == [1.0 + 2.0**-6]
+    golden = bytes.fromhex("0000803f" + "e705") + bytes(126)
+    assert spec_q4_decode(golden, 4).tolist() == [1.0, -0.5, 0.25, 0.0]
+    second = bytes.fromhex("00004040" + "d70500") + bytes(125)
+    assert spec_q4_decode(second, 6).tolist() == [3.0, -0.75, 0.75, 0.0, 0.0, 0.0]
+    steps = bytes.fromhex("0000803f" + "775606") + bytes(125)
+    assert spec_q4_decode(steps, 5).tolist() == [1.0, 1.0, 0.5, 0.25, 0.5]
+    # a −0.0 scale is accepted: m · (−0.0); nibble 8 is +0.0; NaN, inf and negative refused
+    zero = np.frombuffer(spec_q4_decode(bytes.fromhex("00000080" + "f808") + bytes(126), 4), "<u4")
+    assert zero.tolist() == [0x80000000, 0x00000000, 0x80000000, 0x80000000]
+    for scale in ("0000c07f", "0000807f", "000080bf"):
+        assert spec_q4_decode(bytes.fromhex(scale) + bytes(128), 1) is None
+    assert spec_nbytes(WireDtype.Q4, 257, push=True) == 264
+    assert spec_nbytes(WireDtype.Q4, 257, push=False) == 514
+
+
+@pytest.mark.parametrize("seed", seeds(40))
+def test_protocol_breakers_are_closed_or_rejected_and_the_run_goes_on(seed: int) -> None:
+    """spec/syncer.md § 1–6, § 12, spec/errors.md § 1: each broken frame gets its verdict (ERROR
+    and close for that group only, a rejection on the tape, or nothing), and the run still
+    reaches its total steps and exits 0."""
+    simulate(seed, Mode.BREAKER)
 
 
 def test_the_schedules_reach_the_paths_they_are_meant_to_check() -> None:
