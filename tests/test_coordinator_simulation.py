@@ -782,6 +782,8 @@ class Oracle:
         the frame enters any state, and other groups go on."""
         self.bump(f"fatal:{code.value}")
         self.bump(f"fatal:{code.value}:{what}")
+        if self.final is not None:
+            self.bump("fatal_after_cut")
         self.exp_closes.append((key, code))
         if self.remove(key):
             self.finish_if_delivered()
@@ -1717,6 +1719,7 @@ class Connection:
     pending: list[PullReq] = field(default_factory=list)
     #: Learner 0 sent its INITs before the group was ready (the transport held them).
     early_init: bool = False
+    pulls: list[PullReq] = field(default_factory=list)
     manifest: FinalManifest | None = None
     acked: bool = False
     ready: bool = False
@@ -1743,7 +1746,7 @@ class Learner:
         self.redialed_for_report = False
         self.budget_broken = False
         self.ack_broken = False
-        #: The last PULLs it received, on any connection (a breaker answers an old one).
+        #: The last PULLs it received on earlier connections (a breaker answers one).
         self.recent_pulls: list[PullReq] = []
 
     @property
@@ -1849,6 +1852,13 @@ class Learner:
             self.initialize()
             if self.chaotic and self.rng.random() < self.b.disconnect_p / 2:
                 self.world.later(self.rng.uniform(0.0, 0.03), "drop", self.id)  # mid-INIT
+        if self.recent_pulls and self.breaking:
+            # the last PULL of its previous connection, answered from this one (§ 9: a
+            # replacement cannot answer for the attempt that captured the old generation)
+            old = self.recent_pulls.pop()
+            push = self.push_for(old, 0)
+            self.world.oracle.bump("bad_push:old_pull")
+            self.send(push, self.rng.uniform(0.0, 0.1))
         if self.id != 0 and self.breaking:  # spec/syncer.md § 1 item 2 row 1
             p = self.rng.randrange(len(self.world.init_params))
             data = encode_tensor(self.world.init_params[p], self.dtype, push=False).tobytes()
@@ -1942,6 +1952,7 @@ class Learner:
         assert conn is not None
         conn.live = False
         self.conn = None
+        self.recent_pulls = [*self.recent_pulls, *conn.pulls][-8:]
         lingers = self.rng.random() < self.b.linger_p
         linger = self.rng.uniform(0.2, self.b.linger_s) if lingers else 0.0
         self.world.later(linger, "closed", conn.key)
@@ -1971,7 +1982,7 @@ class Learner:
                     self.seen.setdefault(p, set()).add(v)
                 self.answer_pending()
             case PullReq():
-                self.recent_pulls = [*self.recent_pulls[-7:], message]
+                conn.pulls.append(message)
                 if conn.frozen:
                     return
                 conn.pending.append(message)
@@ -2552,8 +2563,12 @@ def simulate(seed: int, mode: Mode, *, budget: bool = False, resume: bool = Fals
         else:
             check(oracle.final is not None, "the run ended without a final cut")
             if mode is not Mode.CHAOS:
-                check(exit_.code == 0, f"exit {exit_}")
                 check(oracle.global_step == config.total_steps, "did not reach total_steps")
+            # a breaker closed after the cut may not make its re-ACK in time (its new group's
+            # data streams may never attach)
+            lost_ack = "FINAL_ACK missing" in exit_.reason and oracle.stats.get("fatal_after_cut")
+            if mode is not Mode.CHAOS and not (mode is Mode.BREAKER and lost_ack):
+                check(exit_.code == 0, f"exit {exit_}")
         check(world.now <= bound, f"exit at {world.now} > {bound}")
         if mode is Mode.CHAOS:
             check(
@@ -2673,6 +2688,47 @@ def test_the_schedules_reach_the_paths_they_are_meant_to_check() -> None:
     assert exact >= 10
 
 
+def test_the_breaker_and_wire_schedules_reach_their_paths() -> None:
+    """Guards the BREAKER runs and the wire knobs: every kind of broken frame gets each verdict
+    it can get, and bf16 and q4 rounds are checked bit for bit."""
+    totals: dict[str, int] = {}
+    exact: dict[WireDtype, int] = {}
+    for seed in range(3000, 3060):
+        world = simulate(seed, Mode.BREAKER)
+        for name, count in world.oracle.stats.items():
+            totals[name] = totals.get(name, 0) + count
+        if world.scenario.exact_numerics and world.oracle.stats.get("commits", 0):
+            exact[world.scenario.dtype] = exact.get(world.scenario.dtype, 0) + 1
+    wanted = [
+        "accepted_bf16",
+        "accepted_q4",
+        "q4_raw_blocks",
+        "streams_announced",
+        "streams_never_attached",
+        "held_delivered",
+        "init_ignored_non_finite",
+        "rejected_undecodable",
+        "rejected:PUSH_WRONG_GENERATION",
+        "fatal:BAD_Q4_SCALE:push",
+        "fatal:BAD_TENSOR_LENGTH:init",
+        "fatal:BAD_TENSOR_LENGTH:push",
+        "fatal:BUDGET_NOT_CONFIGURED:budget",
+        "fatal:INIT_NOT_ALLOWED:init",
+        "fatal:LEARNER_ID_MISMATCH:heartbeat",
+        "fatal:LEARNER_ID_MISMATCH:push",
+        "fatal:NON_FINITE_VALUE:init",
+        "fatal:NON_FINITE_VALUE:push",
+        "fatal:UNEXPECTED_FINAL_ACK:ack_early",
+        "fatal:UNEXPECTED_FINAL_ACK:ack_step",
+        "fatal:WRONG_DIRECTION:PullReq",
+        "fatal:WRONG_DIRECTION:Shutdown",
+        "fatal:ZERO_C_STEPS:push",
+        "fatal_after_cut",
+    ]
+    assert [name for name in wanted if not totals.get(name)] == [], totals
+    assert all(exact.get(dtype, 0) >= 3 for dtype in WireDtype), exact
+
+
 # -- resume and the budget cutoff -----------------------------------------------------------------
 RESUME_MODES = [Mode.NICE, Mode.SILENT, Mode.CHAOS]
 
@@ -2720,6 +2776,8 @@ def test_the_resume_and_cutoff_schedules_reach_their_paths() -> None:
         "cutoff_complete",
         "cutoff_incomplete",
         "rejected_cancelled",
+        "fatal:BUDGET_MISMATCH:budget",
+        "fatal:DUPLICATE_BUDGET_DONE:budget",
         "consolidated",
     ]
     assert [name for name in wanted if not totals.get(name)] == [], totals
