@@ -2282,10 +2282,10 @@ class World:
                         self.queue,
                         (at, next(self.order), "deliver", (group, message, snapshot)),
                     )
-                case CloseGroup(group=group):
+                case CloseGroup(group=group, error=error):
                     self.gone.add(group)
                     self.held.pop(group, None)
-                    self.later(0.0, "kicked", group)
+                    self.later(0.0, "kicked", (group, error is not None))
                 case WriteCheckpoint(state=state):
                     self.last_checkpoint = state
                 case AppendTape(record=record):
@@ -2433,10 +2433,11 @@ class World:
                     if learner.conn is not None and learner.conn.key == payload:
                         learner.disconnect()
             case "kicked":
-                learner = self.learners[payload.learner_id]
+                key, error = payload
+                learner = self.learners[key.learner_id]
                 conn = learner.conn
-                if conn is not None and conn.key == payload and conn.live:
-                    if self.scenario.mode is Mode.BREAKER:  # it restarts at once
+                if conn is not None and conn.key == key and conn.live:
+                    if error:  # the process that broke the protocol restarts at once
                         learner.disconnect(redial=self.rng.uniform(0.0, 0.1))
                     else:
                         learner.disconnect()
