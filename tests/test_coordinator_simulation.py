@@ -217,7 +217,8 @@ class Behaviour:
     stream_fail_p: float = 0.0
     #: How often an action is replaced by a protocol-breaking frame (BREAKER, until chaos ends).
     break_p: float = 0.0
-    #: A refused BUDGET_DONE: "mismatch" before the real report, "duplicate" after it.
+    #: A refused BUDGET_DONE: "mismatch" before the real report, "duplicate" or
+    #: "late_mismatch" (both a duplicate and a wrong count: the count is judged first) after.
     bad_budget: str | None = None
 
 
@@ -366,7 +367,7 @@ def draw_budget(scenario: Scenario, rng: random.Random) -> None:
             behaviour.budget_at_cut = when >= 0.75 and rng.random() < 0.5
         behaviour.budget_redial = rng.random() < 0.3
         if learner != missing and rng.random() < 0.2:
-            behaviour.bad_budget = rng.choice(["mismatch", "duplicate"])
+            behaviour.bad_budget = rng.choice(["mismatch", "duplicate", "late_mismatch"])
 
 
 # -- canonical actions (determinism, payload immutability) ----------------------------------------
@@ -788,6 +789,8 @@ class Oracle:
         if self.remove(key):
             self.finish_if_delivered()
             self.pacing_changed = True
+            if self.exp_exit == 0:
+                self.bump("fatal_completed_cut")  # the re-ACK it owed was all the cut awaited
 
     def on_init(self, key: GroupKey, fragment: int, data: bytes) -> None:
         """spec/syncer.md § 1 item 2, rows 1 and 3–6 (row 2 is the frame decoder's)."""
@@ -1756,10 +1759,13 @@ class Learner:
     @property
     def breaking(self) -> bool:
         """This action is replaced, or preceded, by a protocol-breaking frame."""
+        return self.breaks(self.b.break_p)
+
+    def breaks(self, p: float) -> bool:
         return (
             self.b.break_p > 0
             and self.world.now < self.world.chaos_until
-            and self.rng.random() < self.b.break_p
+            and self.rng.random() < max(p, self.b.break_p)
         )
 
     @property
@@ -1894,10 +1900,12 @@ class Learner:
             self.want_report = True
             self.send(BudgetDone(budget + self.rng.choice([1, -1 if budget > 1 else 2])), 0.0)
             return
-        if self.b.bad_budget == "duplicate" and not self.budget_broken:
-            # the same report again, later (fatal DUPLICATE_BUDGET_DONE if the first counted)
+        if self.b.bad_budget in ("duplicate", "late_mismatch") and not self.budget_broken:
+            # another report, later (fatal DUPLICATE_BUDGET_DONE if the first counted; fatal
+            # BUDGET_MISMATCH for another count, even after the cut)
             self.budget_broken = True
-            self.send(BudgetDone(budget), self.rng.uniform(0.05, 0.5))
+            count = budget + (self.b.bad_budget == "late_mismatch")
+            self.send(BudgetDone(count), self.rng.uniform(0.05, 0.5))
         self.want_report = False
         self.reported = True
         conn.frozen = True
@@ -2031,8 +2039,8 @@ class Learner:
         late = chaotic and self.rng.random() < self.b.late_p
         quorum_timeout = self.world.scenario.config.quorum_timeout_s
         delay = self.rng.uniform(0.3, 1.5 * quorum_timeout) if late else self.rng.uniform(0, 0.3)
-        if self.breaking:
-            self.bad_push(pull, self.rng.uniform(0.0, 0.3))
+        if self.breaking:  # mostly ahead of the real answer: the round would accept it
+            self.bad_push(pull, self.rng.uniform(0.0, delay if self.rng.random() < 0.7 else 0.3))
         self.push(pull, delay)
         if chaotic and self.rng.random() < self.b.dup_p:
             self.push(pull, delay + self.rng.uniform(0.0, 0.5))
@@ -2094,6 +2102,8 @@ class Learner:
         push = self.push_for(pull, base)
         numel = layout.fragments[pull.fragment_id].numel
         kinds = ["zero_c_steps", "learner_id", "non_finite", "non_finite", "length"]
+        if self.dtype is not WireDtype.F32:  # the decoder's own checks (bf16 bits, q4 scales)
+            kinds += ["non_finite", "non_finite"]
         kinds += ["never_launched", "attempt", "old_pull"]
         if len(layout.fragments) > 1:
             kinds.append("other_fragment")
@@ -2140,7 +2150,7 @@ class Learner:
         if self.dtype is WireDtype.Q4:
             raw = bytearray(encode_tensor(delta, self.dtype, push=True).tobytes())
             block = self.rng.randrange(len(raw) // 132)
-            scale = self.rng.choice([np.nan, np.inf, -np.inf, -1.0, -1e-30])
+            scale = self.rng.choice([np.nan, np.inf, -np.inf, -1.0, -0.25, -1e-30, -1e-42])
             raw[block * 132 : block * 132 + 4] = np.float32(scale).astype("<f4").tobytes()
             return bytes(raw)
         delta[self.rng.randrange(numel)] = self.rng.choice([np.nan, np.inf, -np.inf])
@@ -2159,13 +2169,17 @@ class Learner:
         if self.applied_cut and chaotic and self.rng.random() < self.b.disconnect_p:
             self.world.later(self.rng.uniform(0.0, 0.1), "drop", self.id)  # lost before re-ACK
             return
-        if not self.ack_broken and self.breaking:  # another step: UNEXPECTED_FINAL_ACK
-            self.ack_broken = True  # once: each costs a redial within the ACK deadline
+        # another step: UNEXPECTED_FINAL_ACK (once before its first ACK: each costs a redial
+        # within the ACK deadline; on a re-ACK the cut no longer waits for it)
+        if self.breaks(0.7) if self.applied_cut else (not self.ack_broken and self.breaking):
+            self.ack_broken = True
             self.send(FinalAck(manifest.final_global_step + 1), 0.0)
         conn.acked = True
         self.applied_cut = True
         delay = self.rng.uniform(0.0, 0.2)
         self.send(FinalAck(manifest.final_global_step), delay)
+        if self.breaks(0.6):  # its group is closed after its ACK stands: a re-ACK is awaited
+            self.send(Heartbeat(self.id + 1, self.local_step()), delay + 0.01)
         if chaotic and self.rng.random() < self.b.double_ack_p:
             self.send(FinalAck(manifest.final_global_step), delay + 0.1)
         if chaotic and self.rng.random() < self.b.disconnect_p:
@@ -2725,6 +2739,7 @@ def test_the_breaker_and_wire_schedules_reach_their_paths() -> None:
         "fatal:WRONG_DIRECTION:Shutdown",
         "fatal:ZERO_C_STEPS:push",
         "fatal_after_cut",
+        "fatal_completed_cut",
     ]
     assert [name for name in wanted if not totals.get(name)] == [], totals
     assert all(exact.get(dtype, 0) >= 3 for dtype in WireDtype), exact
