@@ -19,16 +19,18 @@ The learners are protocol-following actors, in three modes:
   mid-INIT and INITing again; drops and repeated ACKs around the final cut; timers fired up to
   0.2 s late. The run must exit in bounded time, 0 unless a FINAL_ACK deadline or an empty cut
   explains the 1.
-- BREAKER, until a drawn moment, then NICE: now and then a learner sends a frame that breaks
-  the protocol: a PUSH with ``c_steps = 0``, another learner's id, a NaN or infinity (a NaN,
+- BREAKER, until a drawn moment, then NICE: now and then a learner sends a frame that breaks the
+  protocol: a PUSH with ``c_steps = 0``, another learner's id, a NaN or infinity (a NaN,
   infinite or negative q4 scale), a wrong tensor length, for a fragment or step it was not
-  pulled for, another attempt, or an old connection's PULL; a HEARTBEAT with another learner's
-  id; an INIT from a learner other than 0, or learner 0's INIT with a NaN (ignored when the
-  fragment is held) or a wrong length; a FINAL_ACK before the cut, for another step or from a
-  generation the cut was not queued to; a BUDGET_DONE without a configured budget; a frame only
-  the syncer sends. The model gives each its verdict (ERROR and close of that group only, a
-  ``push_rejected`` line, or nothing); a learner whose group is closed redials as a restarted
-  process, and the run must still reach its total steps and exit 0.
+  pulled for, another attempt, or an old connection's PULL, or finite values near the f32
+  maximum (whose merge or outer step may overflow: a failed commit, § 8); a HEARTBEAT with
+  another learner's id; an INIT from a learner other than 0, or learner 0's INIT with a NaN
+  (ignored when the fragment is held) or a wrong length; a FINAL_ACK before the cut, for another
+  step or from a generation the cut was not queued to; a BUDGET_DONE without a configured
+  budget; a frame only the syncer sends. The model gives each its verdict (ERROR and close of
+  that group only, a ``push_rejected`` line, or nothing); a learner whose group is closed
+  redials as a restarted process, and the run must still reach its total steps and exit 0 (1
+  only for a failed commit, or a re-ACK lost to a close after the cut).
 
 Every mode runs in a drawn session dtype (spec/dtypes.md): f32, bf16 or q4 PUSHes, INIT and
 BCAST in the bulk encoding, FINAL_FRAGMENT in f32, q4 fragments of one or several 256-value
@@ -41,8 +43,9 @@ right after ``GroupReady``, and in CHAOS and BREAKER runs a dial whose streams n
 (a stream that named another group) is closed at the 10 s attach deadline and redialed.
 
 :class:`Oracle` is an independent model of the spec (registry and supersession, the surplus
-cap, step-time estimates, pacing, rounds and attempts, PUSH acceptance rows 4–11, grace,
-quorum deadlines and retries, commit order, the global model and ledger, finalization). It
+cap, step-time estimates, pacing, rounds and attempts, PUSH acceptance rows 1–14, grace,
+quorum deadlines and retries, commit order and failed commits, the global model and ledger,
+finalization, the fatal and ignored cases of INIT, HEARTBEAT, FINAL_ACK and BUDGET_DONE). It
 follows every event and checks every action the coordinator returned: admissions and closes,
 each BCAST (versions strictly ascending per group and fragment, values bit for bit, never ahead
 of its checkpoint), each PULL (members, attempt, never ahead of the BCAST of its launch
@@ -83,8 +86,8 @@ Two more kinds of run use the same model:
 
 Not covered here: iso fragments, early (streamed) broadcasts, the transport itself (the data
 sockets' DATA_HELLO checks and attach deadline, frame-decoder checks such as a PUSH's fragment
-id ≥ F), a failed commit (a merge that overflows), a crash of a budget (cutoff) process, and a
-learner that reconnects to the resumed syncer after its SHUTDOWN.
+id ≥ F), a crash of a budget (cutoff) process, and a learner that reconnects to the resumed
+syncer after its SHUTDOWN.
 
 ``YETO_SIM_SEEDS=N`` runs N seeds per mode instead of the defaults (a soak run).
 """
@@ -154,7 +157,7 @@ from yeto_sync.events import (
     WriteFinalMarker,
     WriteFinalState,
 )
-from yeto_sync.merge import MergeConfig, Response, merge_round
+from yeto_sync.merge import MergeConfig, MergeError, Response, merge_round
 
 F32Array = NDArray[np.float32]
 
@@ -1214,7 +1217,8 @@ class Oracle:
             head = self.rounds[step]
             if head.phase != "complete":
                 break
-            self.commit(head)
+            if not self.commit(head):
+                return  # the syncer exits; the round stays uncommitted
             del self.rounds[step]
         if not self.started and all(p is not None for p in self.params):
             if len(self.current) == self.config.learners:
@@ -1225,22 +1229,58 @@ class Oracle:
         self.launch()
         self.maybe_finalize()
 
-    def commit(self, done: ORound) -> None:
+    def commit(self, done: ORound) -> bool:
+        """§ 8: merge, step, install, checkpoint, BCAST, tape; False when the commit fails."""
         p = done.fragment
         params, momentum = self.params[p], self.momentum[p]
         assert params is not None and momentum is not None
         order = sorted(done.accepted)
         pushes = [done.accepted[k] for k in order]
         geometry = self.layout.fragments[p]
+        failed = False
         if self.s.exact_numerics:
-            theta, buf, gnorm = spec_avg_none_step(
-                self.config,
-                params,
-                momentum,
-                [(o.push.c_steps, o.push.c_tokens, o.values) for o in pushes],
-            )
+            with np.errstate(over="ignore", invalid="ignore"):
+                theta, buf, gnorm = spec_avg_none_step(
+                    self.config,
+                    params,
+                    momentum,
+                    [(o.push.c_steps, o.push.c_tokens, o.values) for o in pushes],
+                )
+            # § 7: a NaN or infinity in Δ, buf' or Θ' (Δ's shows in buf') fails the commit
+            failed = not (np.all(np.isfinite(theta)) and np.all(np.isfinite(buf)))
         else:  # the coordinator's own merge: checks what it is fed, not the math
-            merged = merge_round(
+            try:
+                merged = self.merge(geometry, order, pushes, params, momentum)
+            except MergeError:
+                failed = True
+            else:
+                theta, buf, gnorm = merged.params.copy(), merged.momentum.copy(), merged.gnorm
+        if failed:  # § 8: nothing changes; merge_failed and exit 1
+            self.bump("merge_failed")
+            self.exp_tape.append(
+                {
+                    "event": "merge_failed",
+                    "step": done.step,
+                    "fragment": p,
+                    "attempt": done.attempt,
+                    "responded_members": members_json(done.accepted),
+                }
+            )
+            self.exp_exit = 1
+            return False
+        self.install_commit(done, order, pushes, theta, buf, gnorm)
+        return True
+
+    def merge(
+        self,
+        geometry: WireFragment,
+        order: list[GroupKey],
+        pushes: list[OPush],
+        params: F32Array,
+        momentum: F32Array,
+    ) -> Any:
+        with np.errstate(over="ignore", invalid="ignore"):  # the model's call: its own noise
+            return merge_round(
                 geometry,
                 [
                     Response(k.learner_id, k.generation, o.push.c_steps, o.push.c_tokens, o.values)
@@ -1256,7 +1296,18 @@ class Oracle:
                     self.config.outer_momentum,
                 ),
             )
-            theta, buf, gnorm = merged.params.copy(), merged.momentum.copy(), merged.gnorm
+
+    def install_commit(
+        self,
+        done: ORound,
+        order: list[GroupKey],
+        pushes: list[OPush],
+        theta: F32Array,
+        buf: F32Array,
+        gnorm: float,
+    ) -> None:
+        p = done.fragment
+        geometry = self.layout.fragments[p]
         for o in pushes:
             merges, steps, tokens = self.ledger.get(o.push.learner_id, (0, 0, 0))
             self.ledger[o.push.learner_id] = (
@@ -2108,6 +2159,8 @@ class Learner:
         if len(layout.fragments) > 1:
             kinds.append("other_fragment")
         kind = self.rng.choice(kinds)
+        if self.rng.random() < 0.05:  # finite, but the merge or the outer step may overflow
+            kind = "huge"
         if kind == "old_pull" and not self.recent_pulls:
             kind = "attempt"
         fields: dict[str, Any] = {}
@@ -2117,6 +2170,9 @@ class Learner:
             fields["learner_id"] = self.rng.choice([i for i in range(5) if i != self.id])
         elif kind == "non_finite":
             fields["data"] = self.non_finite_bytes(numel)
+        elif kind == "huge":
+            huge = np.full(numel, np.float32(3e38) * np.float32(self.rng.choice([1, -1])))
+            fields["data"] = encode_tensor(huge, self.dtype, push=True).tobytes()
         elif kind == "length":
             data = bytes(push.data)
             cut = self.rng.choice([1, 2, 4, len(data)])
@@ -2557,7 +2613,9 @@ def simulate(seed: int, mode: Mode, *, budget: bool = False, resume: bool = Fals
             bound += world.crashed_at + 1.1
         if world.consolidated_from is not None:
             check_consolidation(world)
-        if oracle.cutoff_at is not None:
+        if oracle.stats.get("merge_failed"):  # spec/syncer.md § 8: exit 1 at the failed commit
+            check(exit_.code == 1 and "failed to commit" in exit_.reason, f"exit {exit_}")
+        elif oracle.cutoff_at is not None:
             check(oracle.final is None and oracle.cutoff_closed, "the cutoff did not close")
             late = 0.2 if mode is Mode.CHAOS else 0.0
             cutoff_end = oracle.cutoff_at + config.final_ack_timeout + late
@@ -2740,6 +2798,7 @@ def test_the_breaker_and_wire_schedules_reach_their_paths() -> None:
         "fatal:ZERO_C_STEPS:push",
         "fatal_after_cut",
         "fatal_completed_cut",
+        "merge_failed",
     ]
     assert [name for name in wanted if not totals.get(name)] == [], totals
     assert all(exact.get(dtype, 0) >= 3 for dtype in WireDtype), exact
