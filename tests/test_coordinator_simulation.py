@@ -588,6 +588,8 @@ class Oracle:
         #: The cutoff closed (the recovery checkpoint, or exit 1 without it).
         self.cutoff_closed = False
         self.cancelled: set[int] = set()
+        #: Learners whose valid report came after the final cut (ignored, not recorded).
+        self.ignored_reports: set[int] = set()
 
     # -- small helpers ---------------------------------------------------------------------
     def bump(self, name: str, by: int = 1) -> None:
@@ -1085,6 +1087,9 @@ class Oracle:
         if self.final is not None:
             # item 6: the ordinary rounds ran out first; logged, ignored and not recorded
             self.bump("budget_after_cut")
+            if key.learner_id in self.ignored_reports:
+                self.bump("budget_after_cut_again")  # never DUPLICATE_BUDGET_DONE
+            self.ignored_reports.add(key.learner_id)
             return
         first = not self.reported
         self.reported[key.learner_id] = key
@@ -1162,6 +1167,7 @@ class Oracle:
         check(step in self.durable, f"resuming from step {step}, never checkpointed")
         self.config = config
         self.reported.clear()
+        self.ignored_reports.clear()
         self.cutoff_at = None
         self.cutoff_closed = False
         self.cancelled.clear()
@@ -1951,19 +1957,22 @@ class Learner:
             self.want_report = True
             self.send(BudgetDone(budget + self.rng.choice([1, -1 if budget > 1 else 2])), 0.0)
             return
-        if self.b.bad_budget in ("duplicate", "late_mismatch") and not self.budget_broken:
-            # another report, later (fatal DUPLICATE_BUDGET_DONE if the first counted; fatal
-            # BUDGET_MISMATCH for another count, even after the cut)
-            self.budget_broken = True
-            count = budget + (self.b.bad_budget == "late_mismatch")
-            self.send(BudgetDone(count), self.rng.uniform(0.05, 0.5))
         self.want_report = False
         self.reported = True
         conn.frozen = True
         conn.pending = []
         if self.redialed_for_report:
             self.world.oracle.bump("budget_from_redial")
-        self.send(BudgetDone(budget), self.rng.uniform(0.0, 0.05))
+        delay = self.rng.uniform(0.0, 0.05)
+        self.send(BudgetDone(budget), delay)
+        if self.b.bad_budget in ("duplicate", "late_mismatch") and not self.budget_broken:
+            # another report, right behind or later (fatal DUPLICATE_BUDGET_DONE if the first
+            # counted, ignored as well after the cut; BUDGET_MISMATCH for another count, even
+            # after the cut)
+            self.budget_broken = True
+            count = budget + (self.b.bad_budget == "late_mismatch")
+            later = self.rng.choice([0.001, self.rng.uniform(0.05, 0.5)])
+            self.send(BudgetDone(count), delay + later)
 
     def heartbeat(self, key: GroupKey) -> None:
         conn = self.conn
