@@ -40,7 +40,11 @@ ignored padding), checks every BCAST's bytes and the merge bit for bit as for f3
 announce 0–4 data streams (``num_streams``): as the transport does, the group is reported ready
 once they all attached, messages sent before (learner 0's early INITs) are held and delivered
 right after ``GroupReady``, and in CHAOS and BREAKER runs a dial whose streams never all attach
-(a stream that named another group) is closed at the 10 s attach deadline and redialed.
+(a stream that named another group) is closed at the 10 s attach deadline and redialed. Half
+the sessions set ``early_sends`` as the daemon's driver does: a commit may hand its BCASTs out
+before its merge runs (delivered ahead of the event's other actions), which must then be
+complete (or withdrawn, for a failed commit), never for a commit that checkpoints, and never
+ahead of an earlier effect of the event bound for a peer or the disk (spec/syncer.md § 8).
 
 :class:`Oracle` is an independent model of the spec (registry and supersession, the surplus
 cap, step-time estimates, pacing, rounds and attempts, PUSH acceptance rows 1–14, grace,
@@ -84,7 +88,7 @@ Two more kinds of run use the same model:
   ``--total-steps C+F``, ``--quorum M``, no budget), which must merge every learner in each
   of the F rounds and finish with a marked final checkpoint at C+F.
 
-Not covered here: iso fragments, early (streamed) broadcasts, the transport itself (the data
+Not covered here: iso fragments, the transport itself (the data
 sockets' DATA_HELLO checks and attach deadline, frame-decoder checks such as a PUSH's fragment
 id ≥ F), a crash of a budget (cutoff) process, and a learner that reconnects to the resumed
 syncer after its SHUTDOWN.
@@ -158,6 +162,7 @@ from yeto_sync.events import (
     WriteFinalState,
 )
 from yeto_sync.merge import MergeConfig, MergeError, Response, merge_round
+from yeto_sync.payload_progress import PayloadProgress
 
 F32Array = NDArray[np.float32]
 
@@ -243,6 +248,9 @@ class Scenario:
     consolidate: bool = False
     #: The session dtype (spec/dtypes.md): f32, bf16 or q4 PUSHes.
     dtype: WireDtype = WireDtype.F32
+    #: The coordinator hands a commit's BCASTs out before its merge (``early_sends``, as the
+    #: daemon's driver sets it; spec/syncer.md § 8 note).
+    early: bool = False
 
     @property
     def exact_numerics(self) -> bool:
@@ -340,6 +348,7 @@ def draw_wire(scenario: Scenario, rng: random.Random) -> None:
             behaviour.stream_fail_p = rng.choice([0.0, 0.1, 0.3])
         if scenario.mode is Mode.BREAKER:
             behaviour.break_p = rng.choice([0.02, 0.05, 0.1, 0.2])
+    scenario.early = rng.random() < 0.5
 
 
 def draw_budget(scenario: Scenario, rng: random.Random) -> None:
@@ -378,6 +387,11 @@ def canon(value: Any) -> Any:
     """A comparable, copied form of an action: buffers as bytes, floats by repr."""
     if isinstance(value, memoryview | bytes | bytearray):
         return bytes(value)
+    if isinstance(value, Send) and value.progress is not None and value.progress.withdrawn:
+        # never completed: the bytes a failed merge left in its buffer do not matter
+        return ("withdrawn", canon(value.group), value.message.fragment_id, value.message.version)
+    if isinstance(value, PayloadProgress):
+        return ("progress", value.total, value.complete, value.withdrawn)
     if isinstance(value, np.ndarray):
         return ("ndarray", value.dtype.str, value.shape, value.tobytes())
     if isinstance(value, enum.Enum):
@@ -648,12 +662,13 @@ class Oracle:
         return min(max(self.config.pipeline, 1), self.F)
 
     # -- one event -------------------------------------------------------------------------
-    def handle(self, event: Event, now: float, actions: list[Action]) -> None:
+    def handle(self, event: Event, now: float, actions: list[Action], early: int = 0) -> None:
         if self.exit is not None:
             check(not actions, f"actions after exit: {actions}")
             return
         self.now = now
         self.actions = actions
+        self.early = early
         self.exp_bcast: list[tuple[GroupKey, int, int]] = []
         self.exp_tape: list[dict[str, Any]] = []
         self.exp_closes: list[tuple[GroupKey, ErrorCode | None]] = []
@@ -1496,7 +1511,10 @@ class Oracle:
             )
             match action:
                 case Send(message=message, progress=progress):
-                    check(progress is None, "an early send without early_sends")
+                    check(
+                        (progress is None) == (index >= self.early),
+                        "an early send among the returned actions, or one without progress",
+                    )
                     check(
                         isinstance(
                             message,
@@ -1594,8 +1612,44 @@ class Oracle:
             )
             self.exit = exits[0]
 
+    def check_early(self) -> None:
+        """spec/syncer.md § 8 (note): a commit's BCAST may leave while its merge runs, its last
+        byte held back until the commit is done (withdrawn if it fails), never for a commit
+        that writes a checkpoint, nor ahead of an earlier effect of the event bound for a peer
+        or the disk."""
+        returned = self.actions[self.early :]
+        failed = [r["step"] for r in self.exp_tape if r.get("event") == "merge_failed"]
+        for send in self.actions[: self.early]:
+            assert isinstance(send, Send) and send.progress is not None
+            version = send.message.version
+            if send.progress.withdrawn:
+                check(version in failed, f"early BCAST @{version} withdrawn, no failed commit")
+                self.bump("early_withdrawn")
+                continue
+            check(send.progress.complete, f"early BCAST @{version} not complete after its commit")
+            check(not self.due_checkpoint(version), f"early BCAST of checkpointed step {version}")
+            line = next(
+                i
+                for i, a in enumerate(returned)
+                if isinstance(a, AppendTape)
+                and "event" not in a.record
+                and a.record["step"] == version
+            )
+            ahead = [
+                a
+                for a in returned[:line]
+                if not isinstance(a, Log | AppendTape | SetTimer | CancelTimer)
+            ]
+            check(not ahead, f"early BCAST @{version} overtook {ahead}")
+            self.bump("early_sent")
+
     def check_sends(self) -> None:
-        sends = [a for a in self.actions if isinstance(a, Send)]
+        self.check_early()
+        sends = [
+            a
+            for a in self.actions
+            if isinstance(a, Send) and (a.progress is None or not a.progress.withdrawn)
+        ]
         bcasts = [
             (a.group, a.message.fragment_id, a.message.version)
             for a in sends
@@ -1629,7 +1683,7 @@ class Oracle:
         for action in self.actions:
             if isinstance(action, WriteCheckpoint):
                 self.durable.add(action.state.global_step)
-            if not isinstance(action, Send):
+            if not isinstance(action, Send) or action not in sends:
                 continue
             message = action.message
             group = self.groups.get(action.group)
@@ -2260,6 +2314,9 @@ class World:
         self.nrng = np.random.default_rng(scenario.seed)
         self.chaos_until = scenario.chaos_until
         self.coordinator = Coordinator(scenario.config)
+        #: The sends a commit handed out before its merge, during the current event.
+        self.early: list[Send] = []
+        self.stream_early(self.coordinator)
         self.oracle = Oracle(scenario)
         self.now = 0.0
         self.timers: dict[str, float] = {}
@@ -2331,16 +2388,36 @@ class World:
     def later(self, delay: float, kind: str, payload: Any) -> None:
         heapq.heappush(self.queue, (self.now + delay, next(self.order), kind, payload))
 
+    def stream_early(self, coordinator: Coordinator) -> None:
+        if self.scenario.early:
+            coordinator.early_sends = self.take_early
+
+    def take_early(self, sends: Any) -> None:
+        for send in sends:
+            progress = send.progress
+            check(
+                isinstance(send.message, BcastFragment)
+                and progress is not None
+                and progress.total == len(send.message.data)
+                and progress.ready < max(progress.total, 1)
+                and not progress.withdrawn,
+                f"early send {send}",
+            )
+        self.early.extend(sends)
+
     def feed(self, event: Event) -> list[Action]:
         if self.coordinator.exit is not None or self.crash_pending:
             return []
+        self.early = []
         try:
-            actions = self.coordinator.handle(event, self.now)
+            returned = self.coordinator.handle(event, self.now)
         except Exception as exc:
             raise SimFailure(f"the coordinator raised on {event!r} at {self.now}") from exc
+        # the early sends left first: they were handed out before the merge
+        actions: list[Action] = [*self.early, *returned]
         self.events.append((event, self.now))
         self.canon_actions.append(canon(actions))
-        self.oracle.handle(event, self.now, actions)
+        self.oracle.handle(event, self.now, actions, early=len(self.early))
         self.oracle.check_model(self.coordinator)
         for action in actions:
             match action:
@@ -2350,6 +2427,8 @@ class World:
                     self.timers[key] = at + (self.rng.uniform(0.0, 0.2) if late else 0.0)
                 case CancelTimer(key=key):
                     self.timers.pop(key, None)
+                case Send(progress=progress) if progress is not None and progress.withdrawn:
+                    pass  # the transport cuts the connection: the peer never completes it
                 case Send(group=group, message=message):
                     # in order per group, each after its own latency
                     at = max(
@@ -2421,6 +2500,7 @@ class World:
         # still the model's state at its step: nothing wrote into the arrays it refers to
         self.oracle.check_state(saved)
         self.coordinator = Coordinator(config, checkpoint=saved)
+        self.stream_early(self.coordinator)
         self.lives.append((config, saved, len(self.events)))
         self.oracle.crash(saved.global_step, config)
         self.tape = []
@@ -2580,7 +2660,13 @@ def replay(world: World) -> list[Any]:
     for index, (config, checkpoint, first) in enumerate(world.lives):
         last = world.lives[index + 1][2] if index + 1 < len(world.lives) else len(world.events)
         coordinator = Coordinator(config, checkpoint=checkpoint)
-        replayed.extend(canon(coordinator.handle(e, now)) for e, now in world.events[first:last])
+        early: list[Send] = []
+        if world.scenario.early:
+            coordinator.early_sends = early.extend
+        for event, now in world.events[first:last]:
+            returned = coordinator.handle(event, now)
+            replayed.append(canon([*early, *returned]))
+            early.clear()
     return replayed
 
 
@@ -2808,6 +2894,8 @@ def test_the_breaker_and_wire_schedules_reach_their_paths() -> None:
         "fatal_after_cut",
         "fatal_completed_cut",
         "merge_failed",
+        "early_sent",
+        "early_withdrawn",
     ]
     assert [name for name in wanted if not totals.get(name)] == [], totals
     assert all(exact.get(dtype, 0) >= 3 for dtype in WireDtype), exact
