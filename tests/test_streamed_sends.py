@@ -33,10 +33,12 @@ from yeto_proto import (
     ErrorMessage,
     FrameDecoder,
     FrameType,
+    Heartbeat,
     Hello,
     Limits,
     MergeMode,
     PullReq,
+    PushFragment,
     Reassembler,
     Role,
     WireDtype,
@@ -58,7 +60,9 @@ from yeto_sync.events import (
     GroupReady,
     HelloReceived,
     Log,
+    MessageReceived,
     Send,
+    SetTimer,
     TimerFired,
 )
 from yeto_sync.payload_progress import PayloadProgress, PayloadWithdrawn
@@ -772,6 +776,40 @@ def test_driver_event_loop_runs_while_a_streaming_handle_blocks() -> None:
     run(scenario)
 
 
+@pytest.mark.parametrize(
+    ("event", "off_loop"),
+    [
+        (TimerFired("commit"), True),
+        (MessageReceived(KEY, PushFragment(0, 0, 1, 1, 0, 5, 5, 5, memoryview(bytes(4)))), True),
+        (MessageReceived(KEY, Heartbeat(0, 9)), False),
+        (GroupReady(KEY), False),
+        (GroupClosed(KEY, "gone"), False),
+    ],
+)
+def test_driver_streams_only_events_that_may_commit(event: Event, off_loop: bool) -> None:
+    """Rounds commit only on a PUSH or a timer: anything else stays on the loop (a thread hop
+    cost ~100 us per HEARTBEAT of a flooding learner), with no early sender installed."""
+
+    async def scenario() -> None:
+        transport = Recorder()
+        coordinator = Committer(transport)
+        seen: list[object] = []
+
+        def handle(event: Event, now: float) -> list[Action]:
+            seen.append(coordinator.early_sends)
+            return Committer.handle(coordinator, event, now)
+
+        coordinator.handle = handle  # type: ignore[method-assign]
+        driver = Driver(coordinator, transport, FakeClock(), stream_broadcasts=True)
+        with anyio.fail_after(WAIT_S):
+            await driver.dispatch(event)
+        (thread,) = coordinator.handle_threads
+        assert (thread is not threading.main_thread()) is off_loop
+        assert (seen[0] is not None) is off_loop
+
+    run(scenario)
+
+
 def test_driver_without_streaming_leaves_early_sends_alone() -> None:
     transport = Recorder()
     coordinator = Committer(transport)
@@ -797,6 +835,7 @@ def test_driver_streams_a_bcast_over_tcp_while_handle_merges() -> None:
         def __init__(self, client: list[RawClient]) -> None:
             self.early_sends: Callable[[Sequence[Send]], None] | None = None
             self.client = client
+            self.group = GroupKey(0, 0)
 
         def handle(self, event: Event, now: float) -> list[Action]:
             match event:
@@ -804,9 +843,12 @@ def test_driver_streams_a_bcast_over_tcp_while_handle_merges() -> None:
                     key = GroupKey(h.learner_id, h.generation)
                     return [AdmitGroup(conn, key, h.num_streams, LIMITS)]
                 case GroupReady(group=group):
+                    self.group = group
+                    return [SetTimer("commit", now)]  # only an event that may commit streams
+                case TimerFired(key="commit"):
                     assert self.early_sends is not None
                     producer = Producer()
-                    self.early_sends([Send(group, producer.message, producer.progress)])
+                    self.early_sends([Send(self.group, producer.message, producer.progress)])
                     wait_until(lambda: bool(self.client), "the client")
                     (client,) = self.client
                     check_on_wire(client, num_streams, producer, 0)

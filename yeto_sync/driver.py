@@ -33,7 +33,7 @@ import anyio.from_thread
 import anyio.to_thread
 import numpy as np
 
-from yeto_proto import ProtocolError
+from yeto_proto import ProtocolError, PushFragment
 from yeto_proto.checkpoint import (
     Checkpoint,
     remove_final_marker,
@@ -50,6 +50,7 @@ from .events import (
     Event,
     Exit,
     Log,
+    MessageReceived,
     RefuseConnection,
     Send,
     SetTimer,
@@ -197,6 +198,14 @@ class CheckpointKind(enum.Enum):
     RECOVERY = "recovery checkpoint (unmarked: not a final cut)"
 
 
+def _may_commit(event: Event) -> bool:
+    """Whether the coordinator may commit a round while handling ``event``: rounds complete
+    only on a PUSH or a timer (spec/syncer.md § 5-8), and only a completion commits."""
+    return isinstance(event, TimerFired) or (
+        isinstance(event, MessageReceived) and isinstance(event.message, PushFragment)
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class DurableCheckpoint:
     path: Path
@@ -273,8 +282,10 @@ class Driver:
             return
         now = self.clock.now()
         # Off the event loop while BCASTs stream, and always with the iso pool: a commit may
-        # wait minutes for an SVD, and the signal handler must still run meanwhile.
-        if self._streams_now() or self.iso_pool is not None:
+        # wait minutes for an SVD, and the signal handler must still run meanwhile. Only an
+        # event that may commit goes: the thread hop costs ~100 us, and a learner flooding
+        # HEARTBEATs kept the loop busy with hops that could never commit anything.
+        if self._streams_now(event) or (self.iso_pool is not None and _may_commit(event)):
             # Not abandoned on cancellation: a stop waits for the event to be fully handled.
             actions = await anyio.to_thread.run_sync(self.coordinator.handle, event, now)
             if self._stop_request is not None:
@@ -294,11 +305,12 @@ class Driver:
                 return
             await self._execute(action)
 
-    def _streams_now(self) -> bool:
-        """Stream this event's BCASTs? Only while the transport sees a slow link (it pays)."""
+    def _streams_now(self, event: Event) -> bool:
+        """Stream this event's BCASTs? Only for an event that may commit, while the transport
+        sees a slow link (it pays)."""
         if self._streaming is None:
             return False
-        streaming = bool(self._prefers_streaming())
+        streaming = _may_commit(event) and bool(self._prefers_streaming())
         self._streaming.early_sends = self._send_from_handler if streaming else None
         return streaming
 
