@@ -1067,6 +1067,26 @@ def hello_file() -> Json:
             "Iso",
         ),
     ]
+    # Added after the first release of this file: at the end, so no tcId moves.
+    iso_cut = [
+        invalid(
+            "an iso record with numel 0 whose shapes are cut off: numels before the shapes' bound",
+            frame(
+                HELLO, replace(h, fragments=(WireFragment(ISO, (0,), ((2, 2),)),)).payload()[:32]
+            ),
+            "ZERO_NUMEL",
+            "CheckOrder",
+            "Iso",
+        ),
+        invalid(
+            "an iso record whose shapes are cut off",
+            frame(
+                HELLO, replace(h, fragments=(WireFragment(ISO, (4,), ((2, 2),)),)).payload()[:32]
+            ),
+            "TRUNCATED_PAYLOAD",
+            "Iso",
+        ),
+    ]
     first_frame_limit = [
         header_error(
             "HELLO declaring 16 MiB + 1 bytes",
@@ -1148,7 +1168,7 @@ def hello_file() -> Json:
         [
             frame_group(
                 fresh_syncer(),
-                good + bad_version + bad_fields + bad_tail + order + first_frame_limit,
+                good + bad_version + bad_fields + bad_tail + order + first_frame_limit + iso_cut,
             ),
             frame_group(fresh_syncer(num_learners=None), unchecked),
             frame_group(S_F32.context("syncer", num_learners=4), later),

@@ -514,6 +514,9 @@ class Coordinator:
                         "code": rejection.code.value,
                         "reason": rejection.detail,
                     },
+                    # Every rejection is on the tape; stderr gets one line per code and period
+                    # (a learner repeating a stale PUSH in a loop wrote a line each).
+                    throttled=True,
                 )
             )
             return
