@@ -27,8 +27,10 @@ from yeto_proto.checkpoint import (
     atomic,
     marker_state,
     read_checkpoint,
+    write_checkpoint,
     write_final_marker,
 )
+from yeto_proto.checkpoint import writer as checkpoint_writer
 from yeto_sync.driver import CheckpointKind, Driver, KeyValueLog, Outputs
 from yeto_sync.events import (
     Action,
@@ -429,6 +431,31 @@ def test_a_marker_left_beside_a_resumed_checkpoint_goes_before_the_first_replace
         await driver.dispatch(TimerFired("y"))
         assert read_checkpoint(path).global_step == 7
         assert log.getvalue().count("final marker") == 1
+
+    run(scenario)
+
+
+def test_a_first_checkpoint_write_that_fails_keeps_the_marker_of_the_file_it_did_not_replace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = open
+
+    def full_for_checkpoints(file: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        opened = real_open(file, mode, *args, **kwargs)
+        if Path(file).name.startswith(".ckpt.bin."):
+            opened.write = _no_space  # the new checkpoint's bytes never fit
+        return opened
+
+    async def scenario() -> None:
+        path = tmp_path / "ckpt.bin"
+        write_checkpoint(path, checkpoint_at(12))
+        write_final_marker(path, 12)
+        monkeypatch.setattr(checkpoint_writer, "open", full_for_checkpoints, raising=False)
+        driver, _ = periodic_writes_driver(tmp_path, [13])
+        await driver.dispatch(TimerFired("x"))
+        assert driver.exit is not None and driver.exit.code == 1
+        assert read_checkpoint(path).global_step == 12
+        assert marker_state(path, 12).status.name == "FINAL"  # as true as it was
 
     run(scenario)
 

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import enum
+import functools
 import json
 import os
 import stat
@@ -479,9 +480,21 @@ class Driver:
             raise TypeError(f"WriteCheckpoint carries {type(state).__name__}, not a Checkpoint")
         if not await self._iso_pool_allows("checkpoint"):
             return
-        if not await self._remove_stale_marker(path):
-            return
-        if await self._write_file("checkpoint", write_checkpoint, path, state):
+        # Before this run first replaces the checkpoint, a ``.final`` marker beside it goes: one
+        # a resumed run found there describes the file being replaced, and could name the step
+        # of a later periodic checkpoint, which would then read as a final cut. It goes only
+        # once the new file is durable, so a failed write leaves file and marker as they were.
+        removed: list[bool] = []
+        remove = None if self._marker_cleared else lambda: removed.append(remove_final_marker(path))
+        writer = functools.partial(write_checkpoint, before_replace=remove)
+        if await self._write_file("checkpoint", writer, path, state):
+            self._marker_cleared = True
+            if any(removed):
+                self._log(
+                    "warning",
+                    "final marker of the replaced checkpoint removed",
+                    {"path": str(path)},
+                )
             kind = (
                 CheckpointKind.RECOVERY
                 if recovery
@@ -536,24 +549,6 @@ class Driver:
                 return False  # a stop closed the pool: the stop ends the run, nothing is written
             await self._finish(self._fail(f"{what} not written: {exc}"))
             return False
-        return True
-
-    async def _remove_stale_marker(self, path: Path) -> bool:
-        """Before this run first replaces the checkpoint, remove a ``.final`` marker beside it:
-        one a resumed run found there describes the file being replaced, and could name the
-        step of a later periodic checkpoint, which would then read as a final cut."""
-        if self._marker_cleared:
-            return True
-        try:
-            removed = await anyio.to_thread.run_sync(remove_final_marker, path)
-        except ProtocolError as exc:
-            await self._finish(self._fail(f"checkpoint write failed: {exc}"))
-            return False
-        self._marker_cleared = True
-        if removed:
-            self._log(
-                "warning", "final marker of the replaced checkpoint removed", {"path": str(path)}
-            )
         return True
 
     async def _write_file(self, what: str, writer: Callable[..., object], *args: object) -> bool:

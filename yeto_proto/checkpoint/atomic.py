@@ -16,7 +16,7 @@ import io
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import CheckpointError, ErrorCode
@@ -75,12 +75,16 @@ def release_cached_pages(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_replace(target: str | os.PathLike[str]) -> Iterator[Path]:
+def atomic_replace(
+    target: str | os.PathLike[str], *, before_replace: Callable[[], object] | None = None
+) -> Iterator[Path]:
     """Yield a temporary path to write; on a clean exit it durably replaces ``target``.
 
     The caller writes the temporary path however it likes (it does not exist yet). Its own
     handles must be closed when the block ends; the data is then fsynced, renamed and the
-    directory fsynced. ``OSError`` becomes ``CheckpointError(CKPT_IO)``.
+    directory fsynced. ``before_replace`` runs once the new data is durable, right before the
+    rename (an error there leaves the target as it was). ``OSError`` becomes
+    ``CheckpointError(CKPT_IO)``.
     """
     final = Path(target)
     staging = temporary_sibling(final)
@@ -88,6 +92,8 @@ def atomic_replace(target: str | os.PathLike[str]) -> Iterator[Path]:
     try:
         yield staging
         fsync_path(staging)
+        if before_replace is not None:
+            before_replace()
         os.replace(staging, final)
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
@@ -87,7 +87,10 @@ class CheckpointWriter:
         global_step: int,
         num_fragments: int,
         contract: bytes,
+        before_replace: Callable[[], object] | None = None,
     ) -> None:
+        """``before_replace``: runs once the new file is durable, right before it replaces
+        the old one (:func:`~yeto_proto.checkpoint.atomic.atomic_replace`)."""
         self._fingerprint = _check_digest(fingerprint, "fingerprint")
         self._contract = _check_digest(contract, "contract")
         if _check_u(num_fragments, _U32_MAX, "F") < 1:
@@ -106,7 +109,9 @@ class CheckpointWriter:
         self._written = 0
         self._finished = False
         self._stack = contextlib.ExitStack()
-        staging = self._stack.enter_context(atomic_replace(self._path))
+        staging = self._stack.enter_context(
+            atomic_replace(self._path, before_replace=before_replace)
+        )
         try:
             self._file: BinaryIO = self._stack.enter_context(open(staging, "xb"))
         except OSError as exc:
@@ -188,8 +193,14 @@ class CheckpointWriter:
             raise _bad("the writer was closed before finish()")
 
 
-def write_checkpoint(path: str | os.PathLike[str], checkpoint: Checkpoint) -> None:
-    """Atomically write ``checkpoint`` as V3 at ``path``.
+def write_checkpoint(
+    path: str | os.PathLike[str],
+    checkpoint: Checkpoint,
+    *,
+    before_replace: Callable[[], object] | None = None,
+) -> None:
+    """Atomically write ``checkpoint`` as V3 at ``path`` (``before_replace``: as
+    :func:`~yeto_proto.checkpoint.atomic.atomic_replace`).
 
     The value must be a V3 value carrying what V3 records: an iso backend, a fingerprint and a
     contract. A V1/V2 value is refused: writing it as V3 would promote a fingerprint nothing in
@@ -208,6 +219,7 @@ def write_checkpoint(path: str | os.PathLike[str], checkpoint: Checkpoint) -> No
         global_step=checkpoint.global_step,
         num_fragments=checkpoint.num_fragments,
         contract=checkpoint.contract,
+        before_replace=before_replace,
     ) as writer:
         for fragment in checkpoint.fragments:
             writer.add_fragment(fragment.version, fragment.params, fragment.momentum)
