@@ -1034,7 +1034,7 @@ def _many_fragments(count: int) -> WireLayout:
 
 
 def _stepped(step: int, key: bytes | None = None) -> FrameDecoder:
-    return FrameDecoder(Role.SYNCER, num_learners=4, hello_key=key, hello_step_records=step)
+    return FrameDecoder(Role.SYNCER, num_learners=4, hello_key=key, hello_step_bytes=13 * step)
 
 
 @pytest.mark.parametrize("key", [None, b"k"])

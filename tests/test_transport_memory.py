@@ -374,7 +374,7 @@ def _drain_until_settled(groups: ConnectionGroups, conn: int) -> int:
 
 
 def test_large_hellos_are_read_a_slice_per_drain_one_at_a_time() -> None:
-    groups = ConnectionGroups(M, hello_step_records=8)
+    groups = ConnectionGroups(M, hello_step_bytes=8 * 13)
     for conn, learner in ((1, 0), (2, 1), (3, 2)):
         groups.open(conn, 0.0)
         groups.receive(conn, _large_hello(learner), 0.0)  # reads the first slice of socket 1
@@ -384,11 +384,15 @@ def test_large_hellos_are_read_a_slice_per_drain_one_at_a_time() -> None:
     assert isinstance(event := groups.pop_event(), HelloReceived) and event.conn == small
     assert groups.holds_frames(1) and not groups.waits_for_hello_turn(1)
     assert groups.waits_for_hello_turn(2) and groups.waits_for_hello_turn(3)
-    groups.drain(2, 0.0)  # its turn has not come: nothing is read
-    assert groups.pop_event() is None and groups.waits_for_hello_turn(2)
+    groups.drain(3, 0.0)  # its turn has not come: nothing is read
+    assert groups.pop_event() is None and groups.waits_for_hello_turn(3)
+    # Their first frames are in, whole: waiting for a turn is no handshake timeout.
+    assert groups.expire(100.0) == [] and all(groups.is_open(conn) for conn in (1, 2, 3))
     assert _drain_until_settled(groups, 1) == 4  # 40 records, 8 a slice: 5 in all
     assert isinstance(event := groups.pop_event(), HelloReceived) and event.conn == 1
     assert len(event.hello.layout.fragments) == 40
+    # Turns go in arrival order: socket 3 asks first, socket 2 arrived first.
+    assert groups.waits_for_hello_turn(3) and not groups.waits_for_hello_turn(2)
     # Its reader gone mid-reading, the next large HELLO gets its turn.
     groups.drain(2, 0.0)
     assert groups.waits_for_hello_turn(3)

@@ -47,10 +47,7 @@ from .schema import CHUNK_PREFIX, HEADER_STRUCT, PREFIX_STRUCTS
 _KNOWN_TYPES = {int(t) for t in FrameType}
 
 
-#: The smallest HELLO fragment record (merge_mode, num_tensors, one numel), and the bytes of a
-#: HELLO that are not records (head, two digests, the shortest tail): a payload longer than
-#: ``step`` minimal records beyond those may hold more records than one slice reads.
-_MIN_HELLO_RECORD = 13
+#: The bytes of a HELLO that are not fragment records (head, two digests, the shortest tail).
 _HELLO_FIXED_BYTES = 19 + 64 + 2
 #: A payload this large marks a bulk stream: see :meth:`FrameDecoder.header_wanted`.
 BULK_PAYLOAD = 64 << 10
@@ -71,7 +68,7 @@ class ChunkSink(Protocol):
 class DecoderState(enum.Enum):
     NEED_DATA = "NEED_DATA"
     CLOSED = "CLOSED"
-    #: Only with ``hello_step_records``: a large HELLO is being read a slice at a time; call
+    #: Only with ``hello_step_bytes``: a large HELLO is being read a slice at a time; call
     #: :meth:`FrameDecoder.next_frame` again (after serving other peers) to read on.
     WORKING = "WORKING"
 
@@ -180,12 +177,13 @@ class FrameDecoder:
         enforce_first_frame: bool | None = None,
         buffers: BufferPool | None = None,
         chunk_sink: ChunkSink | None = None,
-        hello_step_records: int | None = None,
+        hello_step_bytes: int | None = None,
     ) -> None:
-        """``hello_step_records``: read a HELLO of more fragment records than this a slice of
-        that many records per :meth:`next_frame` call, which returns :data:`WORKING` until the
-        HELLO is read (a 16 MiB HELLO is seconds of work; a receiver serving other peers on
-        the same thread gives them their turns in between). ``None`` reads every HELLO whole."""
+        """``hello_step_bytes``: read a HELLO whose fragment records exceed this many bytes a
+        slice of about that many bytes of records per :meth:`next_frame` call, which returns
+        :data:`WORKING` until the HELLO is read (a 16 MiB HELLO is seconds of work; a receiver
+        serving other peers on the same thread gives them their turns in between). ``None``
+        reads every HELLO whole."""
         self.receiver = receiver
         #: Set it (at any frame boundary) to place CHUNK data straight into reassembly.
         self.chunk_sink = chunk_sink
@@ -209,7 +207,7 @@ class FrameDecoder:
         self._stash: bytearray | None = None  # bytes waiting for set_limits
         self._error: _Failure | None = None
         self._eof = False
-        self._hello_step = hello_step_records
+        self._hello_step = hello_step_bytes
         self._hello_reading: HelloReading | None = None
 
     # -- state -----------------------------------------------------------------------------
@@ -249,7 +247,7 @@ class FrameDecoder:
         return (
             frame_type is FrameType.HELLO
             and self._hello_step is not None
-            and len(payload) - _HELLO_FIXED_BYTES > self._hello_step * _MIN_HELLO_RECORD
+            and len(payload) - _HELLO_FIXED_BYTES > self._hello_step
         )
 
     def set_limits(self, limits: Limits) -> None:

@@ -90,8 +90,8 @@ class HelloReading:
 
     A first frame of 16 MiB can list 1.29 million distinct fragments, seconds of work: a
     receiver serving other peers on the same thread reads it in slices between their turns.
-    The head is checked on construction; :meth:`advance` reads up to ``max_records`` more
-    records (all of them without a budget) and returns the :class:`Hello` once the tail is
+    The head is checked on construction; :meth:`advance` reads whole records until it has read
+    ``max_bytes`` of them (at least one record) and returns the :class:`Hello` once the tail is
     read. Checks, their order and their codes are :func:`read_hello`'s whatever the slicing.
     """
 
@@ -131,15 +131,14 @@ class HelloReading:
     def records_left(self) -> int:
         return self._records_left
 
-    def advance(self, max_records: int) -> Hello | None:
-        """Read up to ``max_records`` more records; the Hello once all of it is read."""
-        count = min(max_records, self._records_left)
-        self._read_fragments(count)
-        self._records_left -= count
+    def advance(self, max_bytes: int) -> Hello | None:
+        """Read records until ``max_bytes`` of them are read (at least one record, at most
+        all that are left); the Hello once all of it is read."""
+        self._read_fragments(max_bytes)
         return None if self._records_left else self._read_tail()
 
     def advance_all(self) -> Hello:
-        hello = self.advance(self._records_left)
+        hello = self.advance(self._cursor.end)
         assert hello is not None
         return hello
 
@@ -167,12 +166,14 @@ class HelloReading:
             profile_hash=profile_hash,
         )
 
-    def _read_fragments(self, count: int) -> None:
+    def _read_fragments(self, max_bytes: int) -> None:
         cursor, seen, fragments = self._cursor, self._seen, self._fragments
         data, end = cursor.data, cursor.end
         read_head = _FRAGMENT_HEAD.unpack_from
         pos = cursor.pos
-        for _ in range(count):
+        stop = pos + max_bytes
+        left = self._records_left
+        while left:
             start = pos
             if start + _FRAGMENT_HEAD.size > end:
                 _refuse_short_head(cursor, start)
@@ -194,6 +195,10 @@ class HelloReading:
                     seen[record] = fragment
             pos = record_end
             fragments.append(fragment)
+            left -= 1
+            if pos >= stop:
+                break
+        self._records_left = left
         cursor.pos = pos
 
 
@@ -224,13 +229,18 @@ def _decode_fragment(cursor: _Cursor, merge_mode: int, num_tensors: int) -> Wire
     if num_tensors * 16 > cursor.end - shapes_at:
         raise _refuse(ErrorCode.TRUNCATED_PAYLOAD, "iso shapes exceed the payload")
     flat = np.frombuffer(cursor.data, dtype="<u8", count=2 * num_tensors, offset=shapes_at)
-    pairs = flat.reshape(num_tensors, 2).tolist()
-    shapes = tuple((rows, cols) for rows, cols in pairs)
-    if not all(
-        rows > 0 and cols > 0 and rows * cols == numel
-        for (rows, cols), numel in zip(shapes, numels, strict=True)
+    rows, cols = flat[0::2], flat[1::2]
+    wanted = np.frombuffer(cursor.data, dtype="<u8", count=num_tensors, offset=numels_at)
+    # rows·cols = numel, exactly (a u64 product could wrap): cols divides numel into rows.
+    safe_cols = np.maximum(cols, 1)
+    if not (
+        (rows > 0).all()
+        and (cols > 0).all()
+        and not (wanted % safe_cols).any()
+        and (wanted // safe_cols == rows).all()
     ):
         raise _refuse(ErrorCode.BAD_ISO_SHAPE, "iso rows*cols must equal numel, both > 0")
+    shapes = tuple(zip(rows.tolist(), cols.tolist(), strict=True))
     return _checked_fragment(MergeMode.ISO, numels, shapes)
 
 

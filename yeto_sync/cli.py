@@ -42,7 +42,7 @@ from .iso import IsoPoolSettings, IsoWorkerPool
 from .merge import MergeError
 from .stop_signals import stop_signals
 from .transport import MonotonicClock
-from .transport.group import HELLO_STEP_RECORDS, ConnectionGroups
+from .transport.group import HELLO_STEP_BYTES, ConnectionGroups
 from .transport.tcp import TcpTransport
 
 PROG = "yeto-sync"
@@ -487,7 +487,7 @@ async def _serve(
     log = KeyValueLog(sys.stderr)
     clock = MonotonicClock()
     groups = ConnectionGroups(
-        config.learners, hello_key=hello_key, log=log, hello_step_records=HELLO_STEP_RECORDS
+        config.learners, hello_key=hello_key, log=log, hello_step_bytes=HELLO_STEP_BYTES
     )
     outputs = Outputs(
         checkpoint_path=config.checkpoint_path,

@@ -80,10 +80,10 @@ HANDSHAKE_TIMEOUT_S = 10.0
 ATTACH_TIMEOUT_S = 10.0
 #: Messages a group may send before its data streams are all attached.
 MAX_HELD_MESSAGES = 256
-#: Fragment records of a large HELLO read per turn of the TCP daemon's event loop (~20-30 ms
-#: here): a 16 MiB HELLO of 1.29 million distinct fragments takes seconds to read, and every
-#: other peer, timer and signal would wait that long for a HELLO read whole.
-HELLO_STEP_RECORDS = 8192
+#: Bytes of a large HELLO's fragment records read per turn of the TCP daemon's event loop (~5,000
+#: minimal records, ~15-20 ms here): a 16 MiB HELLO of 1.29 million distinct fragments takes
+#: seconds to read, and every other peer, timer and signal would wait that long for it whole.
+HELLO_STEP_BYTES = 64 << 10
 #: How often a socket whose large HELLO waits for another one's reading looks again.
 HELLO_TURN_POLL_S = 0.02
 #: Sockets that have not yet become part of a group (each may hold a HELLO of up to 16 MiB).
@@ -267,17 +267,19 @@ class ConnectionGroups:
         max_unsettled_bytes: int = MAX_UNSETTLED_BYTES,
         max_backlog: int | None = None,
         log: LogFn | None = None,
-        hello_step_records: int | None = None,
+        hello_step_bytes: int | None = None,
     ) -> None:
-        """``hello_step_records``: read a large HELLO that many fragment records per
+        """``hello_step_bytes``: read a large HELLO about that many bytes of records per
         :meth:`drain` (:class:`~yeto_proto.FrameDecoder`), one such HELLO at a time; the caller
         drains a socket that :meth:`holds_frames` again after serving the others, and lets a
         socket that :meth:`waits_for_hello_turn` wait. ``None`` reads each HELLO whole."""
         self.num_learners = num_learners
-        self.hello_step_records = hello_step_records
+        self.hello_step_bytes = hello_step_bytes
         #: The socket whose large HELLO is being read, a slice per drain (at most one: a
-        #: 16 MiB HELLO of distinct fragments is ~200 MiB of objects while it is read).
+        #: 16 MiB HELLO of distinct fragments is ~200 MiB of objects while it is read), and
+        #: those whose large HELLO waits for its turn, in arrival order.
         self._hello_reader: ConnId | None = None
+        self._hello_queue: dict[ConnId, None] = {}
         self.hello_key = hello_key
         self.handshake_timeout = handshake_timeout
         self.attach_timeout = attach_timeout
@@ -356,7 +358,7 @@ class ConnectionGroups:
             Role.SYNCER,
             num_learners=self.num_learners,
             hello_key=self.hello_key,
-            hello_step_records=self.hello_step_records,
+            hello_step_bytes=self.hello_step_bytes,
         )
         sock = _Socket(conn, decoder, now + self.handshake_timeout)
         self._sockets[conn] = sock
@@ -596,13 +598,16 @@ class ConnectionGroups:
         return wire
 
     def waits_for_hello_turn(self, conn: ConnId) -> bool:
-        """``conn``'s next frame is a large HELLO, and another socket's is being read."""
+        """``conn``'s next frame is a large HELLO, and another socket's comes first."""
         sock = self._sockets.get(conn)
         return (
-            sock is not None
-            and self._hello_reader not in (None, conn)
-            and sock.decoder.large_hello_next
+            sock is not None and sock.decoder.large_hello_next and not self._large_hello_turn(conn)
         )
+
+    def _large_hello_turn(self, conn: ConnId) -> bool:
+        """No large HELLO is being read, and none that arrived before ``conn``'s waits."""
+        first = next(iter(self._hello_queue), conn)
+        return self._hello_reader is None and first == conn
 
     def holds_frames(self, conn: ConnId) -> bool:
         """``conn``'s decoder has frames (or its EOF, or its failure) not handed on yet."""
@@ -651,8 +656,12 @@ class ConnectionGroups:
                 if sock.decoder.has_output:
                     self._held.setdefault(sock.conn)  # keeps its place if held already
                 return
-            if self.waits_for_hello_turn(sock.conn):
-                return  # its reader retries after a while
+            if sock.decoder.large_hello_next:
+                sock.deadline = None  # its first frame is in, whole: no handshake timeout
+                if not self._large_hello_turn(sock.conn):
+                    self._hello_queue.setdefault(sock.conn)
+                    return  # its reader retries after a while
+                self._hello_queue.pop(sock.conn, None)
             try:
                 item = sock.decoder.next_frame()
                 if item is WORKING:
@@ -819,6 +828,7 @@ class ConnectionGroups:
         self._held.pop(conn, None)
         if self._hello_reader == conn:
             self._hello_reader = None
+        self._hello_queue.pop(conn, None)
         sock = self._sockets.pop(conn, None)
         if sock is not None:
             self._settle(sock)
