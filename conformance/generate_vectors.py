@@ -4108,6 +4108,25 @@ def init_event(fragment_id: int, generation: int = 1) -> Json:
     return frame_event(0, generation, init_params(fragment_id, data)[0])
 
 
+def round_push(
+    data: bytes, learner_id: int, fragment: int, step: int, *, attempt: int = 1, base: int = 0
+) -> bytes:
+    """A scripted learner's PUSH for round ``step``: 24 local steps of 512 tokens a round,
+    ``local_step`` 24·step."""
+    built, _ = push_fragment(
+        data,
+        learner_id=learner_id,
+        fragment_id=fragment,
+        global_step=step,
+        round_attempt=attempt,
+        base_version=base,
+        local_step=24 * step,
+        c_steps=24,
+        c_tokens=24 * 512,
+    )
+    return built
+
+
 def acceptance_push(
     learner_id: int,
     generation: int,
@@ -4128,18 +4147,8 @@ def acceptance_push(
     data = f32_bytes(values)
     if nan:
         data = struct.pack("<I", 0x7FC00000) + data[4:]
-    built, _ = push_fragment(
-        data,
-        learner_id=learner_id if claimed_id is None else claimed_id,
-        fragment_id=fragment,
-        global_step=step,
-        round_attempt=attempt,
-        base_version=base,
-        local_step=24 * step,
-        c_steps=24,
-        c_tokens=24 * 512,
-    )
-    return built
+    claimed = learner_id if claimed_id is None else claimed_id
+    return round_push(data, claimed, fragment, step, attempt=attempt, base=base)
 
 
 def push_event(learner_id: int, generation: int, step: int, **kwargs: Any) -> Json:
@@ -4241,18 +4250,8 @@ def round_delta(step: int) -> F32Array:
 def same_push(learner_id: int, generation: int, step: int, *, attempt: int = 1) -> bytes:
     """Learner ``learner_id``'s PUSH for round ``step`` (base_version 0) carrying round_delta."""
     del generation  # the frame does not name it; the script event does
-    built, _ = push_fragment(
-        f32_bytes(round_delta(step)),
-        learner_id=learner_id,
-        fragment_id=(step - 1) % len(PUSH_NUMELS),
-        global_step=step,
-        round_attempt=attempt,
-        base_version=0,
-        local_step=24 * step,
-        c_steps=24,
-        c_tokens=24 * 512,
-    )
-    return built
+    fragment = (step - 1) % len(PUSH_NUMELS)
+    return round_push(f32_bytes(round_delta(step)), learner_id, fragment, step, attempt=attempt)
 
 
 def same_push_event(learner_id: int, generation: int, step: int, **kwargs: Any) -> Json:
@@ -4624,18 +4623,9 @@ def exact_push(
     session: Session, learner_id: int, step: int, *, base: int = 0, attempt: int = 1
 ) -> bytes:
     """Learner ``learner_id``'s PUSH for round ``step`` carrying exact_delta in the PUSH dtype."""
-    built, _ = push_fragment(
-        session.push_of(exact_delta(session, step)),
-        learner_id=learner_id,
-        fragment_id=(step - 1) % len(session.numels),
-        global_step=step,
-        round_attempt=attempt,
-        base_version=base,
-        local_step=24 * step,
-        c_steps=24,
-        c_tokens=24 * 512,
-    )
-    return built
+    data = session.push_of(exact_delta(session, step))
+    fragment = (step - 1) % len(session.numels)
+    return round_push(data, learner_id, fragment, step, attempt=attempt, base=base)
 
 
 def exact_push_event(

@@ -369,14 +369,7 @@ def test_a_final_marker_that_does_not_fit_leaves_no_marker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A full disk at the marker: exit 1 naming it, the final checkpoint kept unmarked."""
-    real_open = open
-
-    def full_for_markers(file: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        opened = real_open(file, mode, *args, **kwargs)
-        if ".final." in Path(file).name:
-            opened.write = _no_space  # the temporary marker's bytes never fit
-        return opened
-
+    full_for_markers = open_out_of_space(lambda name: ".final." in name)
     monkeypatch.setattr(atomic, "open", full_for_markers, raising=False)
 
     async def scenario() -> None:
@@ -438,13 +431,7 @@ def test_a_marker_left_beside_a_resumed_checkpoint_goes_before_the_first_replace
 def test_a_first_checkpoint_write_that_fails_keeps_the_marker_of_the_file_it_did_not_replace(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_open = open
-
-    def full_for_checkpoints(file: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        opened = real_open(file, mode, *args, **kwargs)
-        if Path(file).name.startswith(".ckpt.bin."):
-            opened.write = _no_space  # the new checkpoint's bytes never fit
-        return opened
+    full_for_checkpoints = open_out_of_space(lambda name: name.startswith(".ckpt.bin."))
 
     async def scenario() -> None:
         path = tmp_path / "ckpt.bin"
@@ -475,6 +462,20 @@ def test_a_marker_that_cannot_be_removed_fails_the_run_before_the_checkpoint_is_
         assert not path.exists() and driver.last_checkpoint is None
 
     run(scenario)
+
+
+def open_out_of_space(full: Callable[[str], bool]) -> Callable[..., Any]:
+    """``open`` as it behaves on a full disk for the files whose name ``full`` picks: their
+    bytes never fit (ENOSPC at the first write)."""
+    real_open = open
+
+    def opener(file: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        opened = real_open(file, mode, *args, **kwargs)
+        if full(Path(file).name):
+            opened.write = _no_space
+        return opened
+
+    return opener
 
 
 def _no_space(data: object) -> int:

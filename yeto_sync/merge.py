@@ -525,6 +525,10 @@ def _check_round_inputs(
 PlainSum = tuple[list[Term], list[float]]
 
 
+# Finite pushes near the f32 maximum can overflow a weighting or a correction: the outer step's
+# screen refuses the non-finite Δ (MergeError), so numpy's warnings add nothing (and, turned
+# into errors, would skip that refusal).
+@np.errstate(over="ignore", invalid="ignore")
 def _merge(
     geometry: FragmentGeometry,
     ordered: Sequence[Response],
@@ -538,21 +542,6 @@ def _merge(
     avg without a correction that changed anything is element-wise, so the caller may fold
     that sum into a pass of its own (the outer step) and Δ is never stored.
     """
-    # Finite pushes near the f32 maximum can overflow a weighting or a correction: the outer
-    # step's screen refuses the non-finite Δ (MergeError), so numpy's warnings add nothing
-    # (and, turned into errors, would skip that refusal).
-    with np.errstate(over="ignore", invalid="ignore"):
-        return _merge_unguarded(geometry, ordered, momentum, config, iso_solver, allocate)
-
-
-def _merge_unguarded(
-    geometry: FragmentGeometry,
-    ordered: Sequence[Response],
-    momentum: F32Array,
-    config: MergeConfig,
-    iso_solver: IsoSolver,
-    allocate: Allocate,
-) -> PlainSum | F32Array:
     weights = [float(w) for w in learner_weights(ordered, config.learner_weight)]
     weight_sum = _sequential_sum(weights)
     if not weight_sum > 0.0:
