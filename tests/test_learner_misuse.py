@@ -24,8 +24,17 @@ import pytest
 import torch
 from syncer_process import REPO, SyncerProcess, child_env, free_port, running_syncer
 
-from yeto_learn import FinishTimeout, Learner, LearnerError, SyncerRefused, SyncerUnreachable
+from yeto_learn import (
+    FinishTimeout,
+    Learner,
+    LearnerError,
+    NonFiniteParameters,
+    SyncerRefused,
+    SyncerUnreachable,
+)
+from yeto_learn import learner as learner_module
 from yeto_learn.learner import RUN_ID_FILE
+from yeto_proto import ErrorCode
 
 
 def small_model() -> torch.nn.Module:
@@ -95,6 +104,47 @@ def test_a_replaced_parameter_is_refused_at_the_next_check(tmp_path: Path) -> No
         model[0].weight = torch.nn.Parameter(model[0].weight.detach().clone())
         with pytest.raises(LearnerError, match="'0.weight' was replaced in the model"):
             learner.finish(timeout=5)
+
+
+def test_diverged_parameters_stop_the_learner_with_a_learner_error_saying_so(
+    tmp_path: Path,
+) -> None:
+    # It was yeto_proto's LocalProtocolError: `except LearnerError` missed it.
+    extra = ["--sync-interval-steps", "2"]
+    with one_learner(tmp_path, 50, extra) as (syncer, model, learner):
+        with torch.no_grad():
+            model[1].bias.fill_(float("nan"))
+        deadline = time.monotonic() + 30
+        with pytest.raises(NonFiniteParameters) as caught:
+            while time.monotonic() < deadline:  # until a pull is answered
+                learner.step(tokens=8)
+                time.sleep(0.002)
+        assert isinstance(caught.value, LearnerError)
+        assert caught.value.code is ErrorCode.NON_FINITE_VALUE
+        assert "PUSH delta of fragment" in str(caught.value)
+        assert "parameters hold NaN or infinity" in str(caught.value)
+        with pytest.raises(LearnerError, match="failed earlier"):
+            learner.step(tokens=8)
+
+
+def test_a_learner_whose_rounds_stopped_says_so_in_its_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A duplicate learner_id, or a learner lost under --quorum M, left one training alone
+    # for ten minutes without a word on its side.
+    extra = ["--sync-interval-steps", "1000000"]  # the first rounds, then none for long
+    with one_learner(tmp_path, 8, extra) as (syncer, model, learner):
+        with caplog.at_level(logging.WARNING, logger="yeto_learn"):
+            train_steps(learner, model, 30)
+            assert not caplog.records
+            learner._last_pull_at -= learner_module.NO_ROUND_WARNING_S  # as if long ago
+            learner._no_round_check_at = 0.0
+            train_steps(learner, model, 5)
+            train_steps(learner, model, 5)  # said once, not at every step
+        (record,) = [r for r in caplog.records if "pulled nothing" in r.getMessage()]
+        text = record.getMessage()
+        assert text.startswith(f"yeto learner 0: the syncer at {syncer.address} has pulled")
+        assert "--quorum-timeout-s" in text and "learner_id 0" in text
 
 
 def test_load_state_dict_with_assign_is_caught_at_the_first_step(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from .transport import (
         FinishTimeout,
         LearnerError,
+        NonFiniteParameters,
         SyncerProtocolViolation,
         SyncerRefused,
         SyncerSilent,
@@ -27,6 +28,7 @@ _LAZY = {
     "LearnerStats": ".learner",
     "LearnerError": ".transport",
     "FinishTimeout": ".transport",
+    "NonFiniteParameters": ".transport",
     "SyncerProtocolViolation": ".transport",
     "SyncerRefused": ".transport",
     "SyncerSilent": ".transport",
@@ -38,6 +40,7 @@ __all__ = [
     "Learner",
     "LearnerError",
     "LearnerStats",
+    "NonFiniteParameters",
     "SyncerProtocolViolation",
     "SyncerRefused",
     "SyncerSilent",

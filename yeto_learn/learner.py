@@ -12,8 +12,10 @@
     learner.finish()                        # final state applied, FINAL_ACK sent, artifact saved
 
 Construction builds the layout from the model's named trainable parameters, derives the
-session contract, starts the network client in a background thread, and returns once the
-session has started: every fragment holds the syncer's initial global state. ``step`` never
+session contract, starts the network client in a background thread, and returns once every
+fragment holds the syncer's global state (its initial one, or the current one for a learner
+that joins later; the session itself may still wait for other learners to join, and training
+meanwhile is local). ``step`` never
 waits on the network: the client thread and this one meet in thread-safe queues, and the
 protocol rules live in :class:`~yeto_learn.session.LearnerSession`, which this class drives.
 
@@ -28,6 +30,7 @@ import contextlib
 import enum
 import json
 import logging
+import math
 import operator
 import os
 import threading
@@ -50,11 +53,12 @@ from yeto_proto import (
     Layout,
     MergeMode,
     ProtocolError,
+    PullReq,
     WireDtype,
 )
 from yeto_proto.checkpoint import atomic_replace, write_bytes_atomically
 from yeto_proto.constants import MAX_STREAMS
-from yeto_proto.errors import CheckpointError
+from yeto_proto.errors import CheckpointError, ErrorCode, LocalProtocolError
 
 from .artifact_files import LAYOUT_FILE, RUN_ID_FILE, STATE_FILE, SUMMARY_FILE
 from .distributed import Apply, ApplyKind, LeaderFailed, Plan, PlanStatus, RankLink, rank_link
@@ -83,6 +87,7 @@ from .transport import (
     GroupUp,
     InboxItem,
     LearnerError,
+    NonFiniteParameters,
     Received,
     SyncerClient,
     SyncerProtocolViolation,
@@ -104,6 +109,10 @@ _OWNERSHIP_CHECK_STEPS = 32
 RUN_ID_ENV = "YETO_RUN_ID"
 #: How long the waiting loops (start, finish) block on the inbox per turn.
 _POLL_S = 0.05
+#: Training on this long without a PULL makes the learner say why rounds may have stopped
+#: (again after :data:`_NO_ROUND_REPEAT_S` while it lasts).
+NO_ROUND_WARNING_S = 120.0
+_NO_ROUND_REPEAT_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,6 +395,11 @@ class Learner:
         self._pushes = 0
         self._starved_warned = False
         self._starved_check_at = 0.0
+        #: When the last PULL arrived (the start counts as one), and when the lack of them
+        #: was last looked at and reported.
+        self._last_pull_at = time.monotonic()
+        self._no_round_check_at = 0.0
+        self._no_round_warned_at = -math.inf
         self._applied = 0
         self._global_step = 0
         self._tokens = 0
@@ -443,6 +457,7 @@ class Learner:
         except BaseException:
             self._close_client()
             raise
+        self._last_pull_at = time.monotonic()  # the start counts as one
         if self.is_leader and self.out_dir is not None:
             # Only a started session makes this directory one that "ran" the id: a learner
             # that never reached its syncer may be started again with the same command.
@@ -485,6 +500,32 @@ class Learner:
             self._turn(lambda session: session.record_step(total))
             self._local_step += 1
             self._tokens += total
+            self._warn_if_no_rounds()
+
+    def _warn_if_no_rounds(self) -> None:
+        """A learner whose rounds stopped trains on alone without an error (a learner that
+        left holds a --quorum > 1 round until --quorum-timeout-s; a session waits for a
+        learner that never joined; a second process with this learner_id took its place):
+        say so, in its own log, rather than leave the user to find it in the syncer's."""
+        now = time.monotonic()
+        if not self.is_leader or self.final_ready or now < self._no_round_check_at:
+            return
+        self._no_round_check_at = now + 1.0
+        quiet = now - self._last_pull_at
+        if quiet < NO_ROUND_WARNING_S or now - self._no_round_warned_at < _NO_ROUND_REPEAT_S:
+            return
+        self._no_round_warned_at = now
+        _log.warning(
+            "yeto learner %d: the syncer at %s has pulled nothing for %.0f s while this learner "
+            "trained on (%d local steps): its rounds may wait for a learner that left (a "
+            "--quorum above 1 holds a round until --quorum-timeout-s) or never joined, or "
+            "another process may use learner_id %d; see the syncer's log",
+            self.learner_id,
+            self.syncer_address,
+            quiet,
+            self._local_step,
+            self.learner_id,
+        )
 
     def _turn(self, first: Callable[[LearnerSession], None] = lambda session: None) -> None:
         """One turn on every rank, without waiting: rank 0 does ``first``, takes in what
@@ -697,6 +738,13 @@ class Learner:
         return plan
 
     def _fail(self, failure: BaseException) -> NoReturn:
+        if isinstance(failure, LocalProtocolError) and failure.code is ErrorCode.NON_FINITE_VALUE:
+            cause = failure
+            failure = NonFiniteParameters(
+                f"{cause.detail}: this learner's parameters hold NaN or infinity (did local "
+                "training diverge?); nothing was sent to the syncer"
+            )
+            failure.__cause__ = cause
         self._failed = failure
         self._close_client()
         raise failure
@@ -729,6 +777,8 @@ class Learner:
                     if item.epoch == self._epoch:
                         session.connection_lost()
                 case Received():
+                    if isinstance(item.message, PullReq):
+                        self._last_pull_at = time.monotonic()
                     applies += self._receive(session, item)
                 case Undelivered(message=BudgetDone()):
                     # The syncer never saw it: it still gets it, once, on a newer group.

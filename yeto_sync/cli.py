@@ -98,7 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="the last round t (absolute: a resumed run goes on up to it) (required)",
     )
-    rounds.add_argument("--quorum", type=int, default=1, help="K: responses a round needs")
+    rounds.add_argument(
+        "--quorum",
+        type=int,
+        default=1,
+        help=(
+            "K: responses a round needs (at most the learners connected at its launch); "
+            "above 1, a captured learner that dies holds the round until --quorum-timeout-s"
+        ),
+    )
     rounds.add_argument(
         "--grace-ms", type=int, default=1000, help="cap of the adaptive grace window after K"
     )

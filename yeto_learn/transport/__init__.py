@@ -8,6 +8,7 @@ from .client import ClientConfig, SyncerClient, parse_address
 from .errors import (
     FinishTimeout,
     LearnerError,
+    NonFiniteParameters,
     SyncerProtocolViolation,
     SyncerRefused,
     SyncerSilent,
@@ -25,6 +26,7 @@ __all__ = [
     "GroupUp",
     "InboxItem",
     "LearnerError",
+    "NonFiniteParameters",
     "Received",
     "SyncerClient",
     "SyncerProtocolViolation",

@@ -44,5 +44,12 @@ class SyncerProtocolViolation(LearnerError):
         self.code = error.code
 
 
+class NonFiniteParameters(LearnerError):
+    """This learner's own parameters (an INIT or a PUSH delta) hold NaN or infinity: nothing
+    was sent (the syncer would refuse it and drop the learner), and the learner stops."""
+
+    code = ErrorCode.NON_FINITE_VALUE
+
+
 class FinishTimeout(LearnerError):
     """The final state did not arrive (or was not confirmed) within the finish deadline."""
