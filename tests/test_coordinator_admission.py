@@ -79,6 +79,31 @@ def test_later_hello_refused_on_its_connection_only(
     assert sim.coordinator.session == before
 
 
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({"dtype": WireDtype.BF16}, "session dtype is f32, HELLO has bf16"),
+        ({"layout": avg_layout((4,), (6,), (2,))}, ": 3 fragments, the session has 2"),
+        (
+            {"layout": OTHER_LAYOUT},
+            ": fragment 1 is avg [5] (1 tensors), the session's avg [6] (1 tensors)",
+        ),
+        ({"layout": OTHER_MODE}, ": fragment 0 is rda [4] (1 tensors), the session's avg [4]"),
+        ({"session_contract": b"\xee" * 32}, "(for yeto learners: the run id or the experiment"),
+    ],
+)
+def test_a_session_mismatch_names_the_learner_that_fixed_the_session_and_the_difference(
+    overrides: dict[str, Any], says: str
+) -> None:
+    # The first learner to connect decides: a refused learner may be the right one.
+    sim = Sim(config(), LAYOUT)
+    sim.learner(1).connect()
+    conn, _ = sim.hello(replace(sim.make_hello(0, 1), **overrides))
+    text = sim.refused[conn].text
+    assert "the session (fixed by learner 1's HELLO, the first accepted)" in text
+    assert says in text
+
+
 def test_generation_reused_after_close_is_refused() -> None:
     sim = Sim(config(), LAYOUT)
     learner = sim.learner(1)

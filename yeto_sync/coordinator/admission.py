@@ -47,6 +47,9 @@ class SessionIdentity:
     fingerprint: bytes
     contract: bytes
     profile_hash: bytes | None
+    #: The learner whose HELLO fixed the session: a refused learner may be the right one (the
+    #: first to connect decides), so its ERROR says whose identity it was compared with.
+    fixed_by: int = 0
 
     @classmethod
     def of(cls, hello: Hello) -> SessionIdentity:
@@ -56,29 +59,34 @@ class SessionIdentity:
             fingerprint=bytes(hello.layout_fingerprint),
             contract=bytes(hello.session_contract),
             profile_hash=None if hello.profile_hash is None else bytes(hello.profile_hash),
+            fixed_by=hello.learner_id,
         )
 
     def mismatch(self, hello: Hello) -> Refusal | None:
         """The first field of ``hello`` that differs from this session, if any."""
+        fixed = f"the session (fixed by learner {self.fixed_by}'s HELLO, the first accepted)"
         if WireDtype(hello.dtype) is not self.dtype:
             return Refusal(
                 ErrorCode.SESSION_DTYPE_MISMATCH,
                 f"session dtype is {self.dtype.name.lower()}, HELLO has "
-                f"{WireDtype(hello.dtype).name.lower()}",
+                f"{WireDtype(hello.dtype).name.lower()}; {fixed}",
             )
         if hello.layout != self.layout:
             return Refusal(
-                ErrorCode.SESSION_LAYOUT_MISMATCH, "HELLO fragment layout differs from the session"
+                ErrorCode.SESSION_LAYOUT_MISMATCH,
+                f"HELLO fragment layout differs from {fixed}: "
+                f"{_layout_difference(hello.layout, self.layout)}",
             )
         if bytes(hello.layout_fingerprint) != self.fingerprint:
             return Refusal(
                 ErrorCode.SESSION_FINGERPRINT_MISMATCH,
-                "HELLO layout fingerprint differs from the session",
+                f"HELLO layout fingerprint differs from {fixed} (tensor names or shapes)",
             )
         if bytes(hello.session_contract) != self.contract:
             return Refusal(
                 ErrorCode.SESSION_CONTRACT_MISMATCH,
-                "HELLO session contract differs from the session",
+                f"HELLO session contract differs from {fixed} (for yeto learners: the run id or "
+                "the experiment settings)",
             )
         theirs = None if hello.profile_hash is None else bytes(hello.profile_hash)
         if theirs != self.profile_hash:
@@ -88,6 +96,24 @@ class SessionIdentity:
                 f"the session {bound} a syncer profile hash; this HELLO does not match it",
             )
         return None
+
+
+def _layout_difference(theirs: WireLayout, ours: WireLayout) -> str:
+    """Where two fragment layouts first differ, in a few words."""
+    if len(theirs.fragments) != len(ours.fragments):
+        return f"{len(theirs.fragments)} fragments, the session has {len(ours.fragments)}"
+    for index, (mine, session) in enumerate(zip(theirs.fragments, ours.fragments, strict=True)):
+        if mine != session:
+            return (
+                f"fragment {index} is {mine.merge_mode.name.lower()} {_numels(mine.numels)}, "
+                f"the session's {session.merge_mode.name.lower()} {_numels(session.numels)}"
+            )
+    return "the same fragments, another shape"  # unreachable while equality is field-wise
+
+
+def _numels(numels: tuple[int, ...]) -> str:
+    shown = ", ".join(str(n) for n in numels[:4])
+    return f"[{shown}{', …' if len(numels) > 4 else ''}] ({len(numels)} tensors)"
 
 
 class Admission:
