@@ -84,11 +84,9 @@ def test_later_hello_refused_on_its_connection_only(
     [
         ({"dtype": WireDtype.BF16}, "session dtype is f32, HELLO has bf16"),
         ({"layout": avg_layout((4,), (6,), (2,))}, ": 3 fragments, the session has 2"),
-        (
-            {"layout": OTHER_LAYOUT},
-            ": fragment 1 is avg [5] (1 tensors), the session's avg [6] (1 tensors)",
-        ),
-        ({"layout": OTHER_MODE}, ": fragment 0 is rda [4] (1 tensors), the session's avg [4]"),
+        ({"layout": OTHER_LAYOUT}, ": fragment 1 tensor 0 has 5 values, the session's 6"),
+        ({"layout": OTHER_MODE}, ": fragment 0 is rda, the session's avg"),
+        ({"layout": avg_layout((4,), (3, 3))}, ": fragment 1 has 2 tensors, the session's 1"),
         ({"session_contract": b"\xee" * 32}, "(for yeto learners: the run id or the experiment"),
     ],
 )
@@ -199,3 +197,16 @@ def test_error_text_carries_the_stable_code() -> None:
     sim = Sim(config(), LAYOUT)
     conn, _ = sim.hello(sim.make_hello(9, 1))
     assert sim.refused[conn].text.startswith("LEARNER_ID_OUT_OF_RANGE: learner_id 9")
+
+
+def test_a_layout_difference_in_iso_shapes_or_a_later_tensor_is_named() -> None:
+    from yeto_sync.coordinator.admission import _layout_difference
+
+    iso = WireLayout((WireFragment(MergeMode.ISO, (6,), ((2, 3),)),))
+    transposed = WireLayout((WireFragment(MergeMode.ISO, (6,), ((3, 2),)),))
+    assert _layout_difference(transposed, iso) == (
+        "fragment 0 tensor 0 is a 3x2 matrix, the session's 2x3"
+    )
+    five = avg_layout((1, 2, 3, 4, 5))
+    other = avg_layout((1, 2, 3, 4, 6))
+    assert _layout_difference(other, five) == "fragment 0 tensor 4 has 6 values, the session's 5"

@@ -137,7 +137,13 @@ def test_a_learner_whose_rounds_stopped_says_so_in_its_log(
         with caplog.at_level(logging.WARNING, logger="yeto_learn"):
             train_steps(learner, model, 30)
             assert not caplog.records
-            learner._last_pull_at -= learner_module.NO_ROUND_WARNING_S  # as if long ago
+            # How long is unusual follows the gaps seen between pulls (rounds may be paced
+            # minutes apart), never less than NO_ROUND_WARNING_S.
+            assert learner._pulls_seen >= 1
+            limit = learner._no_round_limit()
+            assert limit >= learner_module.NO_ROUND_WARNING_S
+            assert limit >= 3 * learner._longest_pull_gap
+            learner._last_pull_at -= limit  # as if the last pull were that long ago
             learner._no_round_check_at = 0.0
             train_steps(learner, model, 5)
             train_steps(learner, model, 5)  # said once, not at every step
@@ -145,6 +151,18 @@ def test_a_learner_whose_rounds_stopped_says_so_in_its_log(
         text = record.getMessage()
         assert text.startswith(f"yeto learner 0: the syncer at {syncer.address} has pulled")
         assert "--quorum-timeout-s" in text and "learner_id 0" in text
+
+
+def test_how_long_without_a_pull_is_unusual_follows_the_runs_own_pace() -> None:
+    pacing = Learner.__new__(Learner)  # only the bookkeeping of pulls, no session
+    pacing._pulls_seen, pacing._longest_pull_gap = 0, 0.0
+    assert pacing._no_round_limit() == learner_module.NO_ROUND_WARNING_S  # never pulled
+    pacing._pulls_seen = 1
+    assert pacing._no_round_limit() == 600.0  # one pull: no pace known yet
+    pacing._pulls_seen, pacing._longest_pull_gap = 5, 250.0  # rounds paced 250 s apart
+    assert pacing._no_round_limit() == 750.0
+    pacing._longest_pull_gap = 2.0
+    assert pacing._no_round_limit() == learner_module.NO_ROUND_WARNING_S
 
 
 def test_load_state_dict_with_assign_is_caught_at_the_first_step(tmp_path: Path) -> None:
@@ -352,3 +370,15 @@ def test_a_finish_timeout_leaves_the_learner_usable(tmp_path: Path) -> None:
             train_steps(learner, model, 1)
         learner.finish(timeout=30)
         assert syncer.wait() == 0
+
+
+def test_other_ranks_raise_rank_zeros_non_finite_failure_as_such() -> None:
+    # Under torchrun only rank 0 pushes; the other ranks hear its failure as text.
+    from yeto_learn.learner import _rank_zero_failure
+
+    text = "rank 0 of this learner failed: NON_FINITE_VALUE: PUSH delta of fragment 1 is not finite"
+    failure = _rank_zero_failure(text)
+    assert isinstance(failure, NonFiniteParameters) and failure.code is ErrorCode.NON_FINITE_VALUE
+    assert str(failure) == text
+    other = _rank_zero_failure("rank 0 of this learner failed: KeyboardInterrupt on rank 0")
+    assert type(other) is LearnerError

@@ -402,6 +402,36 @@ def test_large_hellos_are_read_a_slice_per_drain_one_at_a_time() -> None:
     assert isinstance(event := groups.pop_event(), HelloReceived) and event.conn == 3
 
 
+def test_data_sockets_of_a_large_hello_waiting_its_turn_wait_without_the_attach_deadline() -> None:
+    groups = ConnectionGroups(M, hello_step_bytes=8 * 13)
+    groups.open(1, 0.0)
+    groups.receive(1, _large_hello(0), 0.0)  # being read
+    layout = WireLayout(tuple(WireFragment(MergeMode.AVG, (i + 1,)) for i in range(40)))
+    queued = encode_bytes(Hello(1, 1, WireDtype.F32, layout, FINGERPRINT, CONTRACT, 1))
+    groups.open(2, 0.0)
+    groups.open(3, 0.0)
+    groups.receive(3, encode_bytes(DataHello(1, 1, 0)), 0.0)  # its data socket, first
+    groups.receive(2, queued, 0.0)  # its HELLO, whole, waits behind socket 1's
+    groups.open(4, 0.0)
+    groups.receive(4, encode_bytes(DataHello(1, 1, 0)), 0.0)  # a data socket after it
+    assert groups.waits_for_hello_turn(2)
+    assert groups.expire(100.0) == []  # neither the HELLO nor its data sockets time out
+    assert all(groups.is_open(conn) for conn in (1, 2, 3, 4))
+    # If that HELLO is never read (its socket is lost), its data sockets are back on the clock.
+    groups.lost(2, "test")
+    (refused, _) = [c for c in groups.expire(100.0 + ATTACH_TIMEOUT_S) if isinstance(c, Hangup)]
+    assert refused.error is not None and refused.error.text.startswith("UNKNOWN_GROUP: ")
+
+
+def test_a_whole_first_frame_held_by_the_backlog_bound_is_past_the_handshake_timeout() -> None:
+    groups = ConnectionGroups(M, max_backlog=1)
+    groups.open(1, 0.0)
+    groups.receive(1, _hello_bytes(0), 0.0)  # fills the backlog
+    groups.open(2, 0.0)
+    groups.receive(2, _hello_bytes(1), 0.0)  # whole, held by the bound
+    assert groups.expire(100.0) == [] and groups.is_open(2)
+
+
 def _hello_bytes(learner_id: int = 0, generation: int = 1) -> bytes:
     return encode_bytes(make_hello(learner_id, generation))
 

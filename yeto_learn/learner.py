@@ -110,8 +110,12 @@ RUN_ID_ENV = "YETO_RUN_ID"
 #: How long the waiting loops (start, finish) block on the inbox per turn.
 _POLL_S = 0.05
 #: Training on this long without a PULL makes the learner say why rounds may have stopped
-#: (again after :data:`_NO_ROUND_REPEAT_S` while it lasts).
+#: (again after :data:`_NO_ROUND_REPEAT_S` while it lasts). Once pulls have come, the wait
+#: must also pass 3x the longest gap seen between two of them (a syncer may pace rounds
+#: minutes apart), and 10 minutes while only one has come (no gap seen yet).
 NO_ROUND_WARNING_S = 120.0
+_NO_ROUND_GAP_FACTOR = 3.0
+_NO_ROUND_AFTER_ONE_PULL_S = 600.0
 _NO_ROUND_REPEAT_S = 600.0
 
 
@@ -398,6 +402,9 @@ class Learner:
         #: When the last PULL arrived (the start counts as one), and when the lack of them
         #: was last looked at and reported.
         self._last_pull_at = time.monotonic()
+        self._steps_at_last_pull = 0
+        self._pulls_seen = 0
+        self._longest_pull_gap = 0.0
         self._no_round_check_at = 0.0
         self._no_round_warned_at = -math.inf
         self._applied = 0
@@ -502,6 +509,22 @@ class Learner:
             self._tokens += total
             self._warn_if_no_rounds()
 
+    def _note_pull(self) -> None:
+        now = time.monotonic()
+        if self._pulls_seen:
+            self._longest_pull_gap = max(self._longest_pull_gap, now - self._last_pull_at)
+        self._pulls_seen += 1
+        self._last_pull_at = now
+        self._steps_at_last_pull = self._local_step
+
+    def _no_round_limit(self) -> float:
+        """How long without a pull is unusual for this run so far."""
+        if not self._pulls_seen:
+            return NO_ROUND_WARNING_S  # the first round launches as the session starts
+        if not self._longest_pull_gap:
+            return max(NO_ROUND_WARNING_S, _NO_ROUND_AFTER_ONE_PULL_S)
+        return max(NO_ROUND_WARNING_S, _NO_ROUND_GAP_FACTOR * self._longest_pull_gap)
+
     def _warn_if_no_rounds(self) -> None:
         """A learner whose rounds stopped trains on alone without an error (a learner that
         left holds a --quorum > 1 round until --quorum-timeout-s; a session waits for a
@@ -512,18 +535,18 @@ class Learner:
             return
         self._no_round_check_at = now + 1.0
         quiet = now - self._last_pull_at
-        if quiet < NO_ROUND_WARNING_S or now - self._no_round_warned_at < _NO_ROUND_REPEAT_S:
+        if quiet < self._no_round_limit() or now - self._no_round_warned_at < _NO_ROUND_REPEAT_S:
             return
         self._no_round_warned_at = now
         _log.warning(
             "yeto learner %d: the syncer at %s has pulled nothing for %.0f s while this learner "
-            "trained on (%d local steps): its rounds may wait for a learner that left (a "
-            "--quorum above 1 holds a round until --quorum-timeout-s) or never joined, or "
-            "another process may use learner_id %d; see the syncer's log",
+            "trained on (%d local steps since its last pull): its rounds may wait for a learner "
+            "that left (a --quorum above 1 holds a round until --quorum-timeout-s) or never "
+            "joined, or another process may use learner_id %d; see the syncer's log",
             self.learner_id,
             self.syncer_address,
             quiet,
-            self._local_step,
+            self._local_step - self._steps_at_last_pull,
             self.learner_id,
         )
 
@@ -725,12 +748,12 @@ class Learner:
         try:
             plan = self._link.run_plan(plan, self._apply, self._after_apply)
         except LeaderFailed as exc:
-            self._fail(LearnerError(f"rank 0 of this learner failed: {exc}"))
+            self._fail(_rank_zero_failure(f"rank 0 of this learner failed: {exc}"))
         except BaseException as exc:
             self._fail(exc)
         self._global_step = plan.global_step
         if plan.status is PlanStatus.FAILED:
-            self._fail(error if error is not None else LearnerError(plan.error))
+            self._fail(error if error is not None else _rank_zero_failure(plan.error))
         if plan.status is PlanStatus.FINAL_READY:
             self.final_ready = True
         if plan.final_global_step is not None:  # every rank now holds the final cut
@@ -738,13 +761,7 @@ class Learner:
         return plan
 
     def _fail(self, failure: BaseException) -> NoReturn:
-        if isinstance(failure, LocalProtocolError) and failure.code is ErrorCode.NON_FINITE_VALUE:
-            cause = failure
-            failure = NonFiniteParameters(
-                f"{cause.detail}: this learner's parameters hold NaN or infinity (did local "
-                "training diverge?); nothing was sent to the syncer"
-            )
-            failure.__cause__ = cause
+        failure = _as_learner_failure(failure)
         self._failed = failure
         self._close_client()
         raise failure
@@ -778,7 +795,7 @@ class Learner:
                         session.connection_lost()
                 case Received():
                     if isinstance(item.message, PullReq):
-                        self._last_pull_at = time.monotonic()
+                        self._note_pull()
                     applies += self._receive(session, item)
                 case Undelivered(message=BudgetDone()):
                     # The syncer never saw it: it still gets it, once, on a newer group.
@@ -858,7 +875,11 @@ class Learner:
             ack = session.final_applied(final.final_global_step)
             if ack is not None:
                 self._send(ack)
-        for push in session.answer_pulls(self._params.read):
+        try:
+            pushes = session.answer_pulls(self._params.read)
+        except LocalProtocolError as exc:  # the other ranks hear of it as such too
+            raise _as_learner_failure(exc) from exc
+        for push in pushes:
             self._send(push)
             self._pushes += 1
         assert self._client is not None
@@ -929,7 +950,30 @@ class Learner:
 
 def _failure_text(exc: BaseException) -> str:
     """What the other ranks are told of rank 0's failure (an interrupt has no message)."""
-    return str(exc) or f"{type(exc).__name__} on rank 0"
+    return str(_as_learner_failure(exc)) or f"{type(exc).__name__} on rank 0"
+
+
+_NON_FINITE_PREFIX = f"{ErrorCode.NON_FINITE_VALUE.value}: "
+
+
+def _as_learner_failure(exc: BaseException) -> BaseException:
+    """The error the training loop sees for ``exc``: this learner's own non-finite values
+    (an INIT or a PUSH the session refused to send) become :class:`NonFiniteParameters`."""
+    if not (isinstance(exc, LocalProtocolError) and exc.code is ErrorCode.NON_FINITE_VALUE):
+        return exc
+    failure = NonFiniteParameters(
+        f"{_NON_FINITE_PREFIX}{exc.detail}: this learner's parameters hold NaN or infinity "
+        "(did local training diverge?); nothing was sent to the syncer"
+    )
+    failure.__cause__ = exc
+    return failure
+
+
+def _rank_zero_failure(text: str) -> LearnerError:
+    """What the other ranks raise for rank 0's failure ``text``: the same kind where the text
+    says it (a NaN on rank 0 is every rank's)."""
+    kind = NonFiniteParameters if _NON_FINITE_PREFIX in text else LearnerError
+    return kind(text)
 
 
 def _checked_tokens(tokens: int) -> int:

@@ -21,6 +21,7 @@ message the data goes, and the bytes are written (or ``recv_into``'d) there dire
 from __future__ import annotations
 
 import enum
+import struct
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -49,6 +50,8 @@ _KNOWN_TYPES = {int(t) for t in FrameType}
 
 #: The bytes of a HELLO that are not fragment records (head, two digests, the shortest tail).
 _HELLO_FIXED_BYTES = 19 + 64 + 2
+#: learner_id and connection_generation, after the 2-byte protocol_version of a HELLO payload.
+_HELLO_IDENTITY = struct.Struct("<IQ")
 #: A payload this large marks a bulk stream: see :meth:`FrameDecoder.header_wanted`.
 BULK_PAYLOAD = 64 << 10
 #: The most bytes a syncer's decoder holds after the first frame while it waits for the session
@@ -242,6 +245,19 @@ class FrameDecoder:
             return False
         item = self._ready[0]
         return not isinstance(item, Chunk) and self._steps(*item)
+
+    @property
+    def large_hello_identity(self) -> tuple[int, int] | None:
+        """``(learner_id, generation)`` of the large HELLO next or being read (as its head
+        states them, not yet checked while it waits), if there is one."""
+        if self._hello_reading is not None:
+            return self._hello_reading.identity
+        if not self.large_hello_next:
+            return None
+        item = self._ready[0]
+        assert not isinstance(item, Chunk)
+        learner_id, generation = _HELLO_IDENTITY.unpack_from(item[1], 2)
+        return int(learner_id), int(generation)
 
     def _steps(self, frame_type: FrameType, payload: memoryview) -> bool:
         return (

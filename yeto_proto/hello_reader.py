@@ -131,6 +131,11 @@ class HelloReading:
     def records_left(self) -> int:
         return self._records_left
 
+    @property
+    def identity(self) -> tuple[int, int]:
+        """The HELLO's ``(learner_id, generation)``, checked with the head."""
+        return self._learner_id, self._generation
+
     def advance(self, max_bytes: int) -> Hello | None:
         """Read records until ``max_bytes`` of them are read (at least one record, at most
         all that are left); the Hello once all of it is read."""

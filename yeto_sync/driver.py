@@ -483,18 +483,22 @@ class Driver:
         # Before this run first replaces the checkpoint, a ``.final`` marker beside it goes: one
         # a resumed run found there describes the file being replaced, and could name the step
         # of a later periodic checkpoint, which would then read as a final cut. It goes only
-        # once the new file is durable, so a failed write leaves file and marker as they were.
+        # once the new file is durable, so a write that fails before leaves file and marker as
+        # they were (a rename that fails after leaves the old file unmarked: never falsely final).
         removed: list[bool] = []
         remove = None if self._marker_cleared else lambda: removed.append(remove_final_marker(path))
         writer = functools.partial(write_checkpoint, before_replace=remove)
-        if await self._write_file("checkpoint", writer, path, state):
+        written = await self._write_file("checkpoint", writer, path, state)
+        if any(removed):
+            self._log(
+                "warning",
+                "final marker of the replaced checkpoint removed"
+                if written
+                else "final marker removed, but the checkpoint was not replaced",
+                {"path": str(path)},
+            )
+        if written:
             self._marker_cleared = True
-            if any(removed):
-                self._log(
-                    "warning",
-                    "final marker of the replaced checkpoint removed",
-                    {"path": str(path)},
-                )
             kind = (
                 CheckpointKind.RECOVERY
                 if recovery

@@ -103,17 +103,26 @@ def _layout_difference(theirs: WireLayout, ours: WireLayout) -> str:
     if len(theirs.fragments) != len(ours.fragments):
         return f"{len(theirs.fragments)} fragments, the session has {len(ours.fragments)}"
     for index, (mine, session) in enumerate(zip(theirs.fragments, ours.fragments, strict=True)):
-        if mine != session:
+        where = f"fragment {index}"
+        if mine.merge_mode is not session.merge_mode:
             return (
-                f"fragment {index} is {mine.merge_mode.name.lower()} {_numels(mine.numels)}, "
-                f"the session's {session.merge_mode.name.lower()} {_numels(session.numels)}"
+                f"{where} is {mine.merge_mode.name.lower()}, "
+                f"the session's {session.merge_mode.name.lower()}"
             )
-    return "the same fragments, another shape"  # unreachable while equality is field-wise
-
-
-def _numels(numels: tuple[int, ...]) -> str:
-    shown = ", ".join(str(n) for n in numels[:4])
-    return f"[{shown}{', …' if len(numels) > 4 else ''}] ({len(numels)} tensors)"
+        if len(mine.numels) != len(session.numels):
+            return f"{where} has {len(mine.numels)} tensors, the session's {len(session.numels)}"
+        for tensor, (a, b) in enumerate(zip(mine.numels, session.numels, strict=True)):
+            if a != b:
+                return f"{where} tensor {tensor} has {a} values, the session's {b}"
+        for tensor, (a_shape, b_shape) in enumerate(
+            zip(mine.matrix_shapes, session.matrix_shapes, strict=True)
+        ):
+            if a_shape != b_shape:
+                return (
+                    f"{where} tensor {tensor} is a {a_shape[0]}x{a_shape[1]} matrix, "
+                    f"the session's {b_shape[0]}x{b_shape[1]}"
+                )
+    return "the same fragments"  # unreachable while layouts compare field by field
 
 
 class Admission:

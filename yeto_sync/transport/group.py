@@ -280,6 +280,9 @@ class ConnectionGroups:
         #: those whose large HELLO waits for its turn, in arrival order.
         self._hello_reader: ConnId | None = None
         self._hello_queue: dict[ConnId, None] = {}
+        #: The group each of those HELLOs names: its data sockets wait for it without the
+        #: attach deadline, as for a HELLO the coordinator is deciding.
+        self._hello_keys: dict[ConnId, GroupKey] = {}
         self.hello_key = hello_key
         self.handshake_timeout = handshake_timeout
         self.attach_timeout = attach_timeout
@@ -652,12 +655,14 @@ class ConnectionGroups:
         queued all at once they held every other learner's events back for seconds.
         """
         while sock.conn in self._sockets:
+            if sock.phase is Phase.HANDSHAKE and sock.decoder.has_output:
+                sock.deadline = None  # its first frame is in, whole: no handshake timeout
             if not self._room_for_events():
                 if sock.decoder.has_output:
                     self._held.setdefault(sock.conn)  # keeps its place if held already
                 return
             if sock.decoder.large_hello_next:
-                sock.deadline = None  # its first frame is in, whole: no handshake timeout
+                self._note_large_hello(sock)
                 if not self._large_hello_turn(sock.conn):
                     self._hello_queue.setdefault(sock.conn)
                     return  # its reader retries after a while
@@ -669,6 +674,7 @@ class ConnectionGroups:
                     return
                 if self._hello_reader == sock.conn:
                     self._hello_reader = None
+                self._hello_keys.pop(sock.conn, None)  # read (or never large): _handle goes on
                 if isinstance(item, DecoderState):
                     self._held.pop(sock.conn, None)
                     if item is CLOSED:
@@ -677,10 +683,18 @@ class ConnectionGroups:
                 self._handle(sock, item, now)
             except ProtocolError as exc:
                 self._held.pop(sock.conn, None)
-                if self._hello_reader == sock.conn:
-                    self._hello_reader = None
-                self._fail(sock, exc)
+                self._fail(sock, exc)  # its turn and its data sockets' wait end in _forget
                 return
+
+    def _note_large_hello(self, sock: _Socket) -> None:
+        """Its data sockets, and those still to come, wait for it without the attach deadline."""
+        if sock.conn in self._hello_keys:
+            return
+        identity = sock.decoder.large_hello_identity
+        assert identity is not None
+        key = self._hello_keys[sock.conn] = GroupKey(*identity)
+        for waiting in self._attaching(key):
+            waiting.deadline = None
 
     def _handle(self, sock: _Socket, message: AnyMessage, now: float) -> None:
         if sock.phase is Phase.MEMBER:
@@ -707,8 +721,9 @@ class ConnectionGroups:
                 self._attach(sock, group)
                 return
             sock.phase = Phase.ATTACH
-            # Only the peer's own HELLO is awaited against the clock, not the coordinator.
-            pending = key in self._pending.values()
+            # Only the peer's own HELLO is awaited against the clock, not the coordinator
+            # (nor a large HELLO waiting for its turn to be read).
+            pending = key in self._pending.values() or key in self._hello_keys.values()
             sock.deadline = None if pending else now + self.attach_timeout
         else:  # the decoder yields nothing after the first frame until limits are set
             raise AssertionError(f"{type(message).__name__} before the socket joined a group")
@@ -829,6 +844,12 @@ class ConnectionGroups:
         if self._hello_reader == conn:
             self._hello_reader = None
         self._hello_queue.pop(conn, None)
+        key = self._hello_keys.pop(conn, None)
+        if key is not None and key not in self._pending.values():
+            # Its HELLO will not be read: its data sockets wait for another one, on the clock.
+            for waiting in self._attaching(key):
+                if waiting.deadline is None:
+                    waiting.deadline = self._now + self.attach_timeout
         sock = self._sockets.pop(conn, None)
         if sock is not None:
             self._settle(sock)
