@@ -31,7 +31,7 @@ from yeto_proto.checkpoint import (
     write_final_marker,
 )
 from yeto_proto.checkpoint import writer as checkpoint_writer
-from yeto_sync.driver import CheckpointKind, Driver, KeyValueLog, Outputs
+from yeto_sync.driver import EVENTS_PER_TURN, CheckpointKind, Driver, KeyValueLog, Outputs
 from yeto_sync.events import (
     Action,
     AppendTape,
@@ -589,3 +589,34 @@ def test_a_log_whose_reader_went_away_stops_logging_and_never_raises() -> None:
     log("info", "first", {"k": 1})
     log("error", "second", {})
     assert log.broken
+
+
+def test_events_that_come_back_to_back_still_let_other_tasks_run() -> None:
+    """A learner flooding HEARTBEATs refilled the backlog as fast as the driver drained it,
+    and no await suspended: the event loop never polled another socket (a new peer's HELLO
+    waited 10 s, then timed out)."""
+
+    class Flood:
+        async def next_event(self, until: float | None) -> Event | None:
+            return TimerFired("beat")  # always ready, never suspends
+
+    async def scenario() -> None:
+        turns = 0
+
+        async def other_peer() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await anyio.lowlevel.checkpoint()
+
+        coordinator = Scripted(*([] for _ in range(640)), [Exit(0, "done")])
+        driver = Driver(coordinator, RecordingTransport(), FakeClock())
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(other_peer)
+            await anyio.lowlevel.checkpoint()
+            seen = turns
+            assert await driver.run(Flood()) == Exit(0, "done")
+            tasks.cancel_scope.cancel()
+        assert turns - seen >= 640 // EVENTS_PER_TURN
+
+    run(scenario)

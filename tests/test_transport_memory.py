@@ -848,3 +848,24 @@ def test_data_sockets_of_a_hello_that_left_before_admission_are_refused() -> Non
     assert list(groups.events)[-1] == GroupClosed(
         GroupKey(2, 4), "connection closed before admission"
     )
+
+
+def test_sockets_held_by_the_backlog_bound_take_turns() -> None:
+    """A socket that always holds more frames kept the front of the held sockets, and a new
+    peer's HELLO behind it waited for as long as it flooded."""
+    groups = ConnectionGroups(M, max_backlog=1)
+    groups.open(1, 0.0)
+    groups.receive(1, _hello_bytes(0), 0.0)
+    assert isinstance(groups.pop_event(), HelloReceived)
+    groups.admit(1, GroupKey(0, 1), 0, LIMITS, 0.0)
+    assert isinstance(groups.pop_event(), GroupReady)
+    beats = b"".join(encode_bytes(Heartbeat(0, step)) for step in (1, 2, 3))
+    groups.receive(1, beats, 0.0)  # one in the backlog, two held
+    groups.open(2, 0.0)
+    groups.receive(2, _hello_bytes(1), 0.0)  # held behind them
+    turns = []
+    for _ in range(3):
+        event = groups.pop_event()
+        turns.append(event.conn if isinstance(event, HelloReceived) else "beat")
+        groups.drain_held(0.0)  # room for one more
+    assert turns == ["beat", "beat", 2]  # socket 2's HELLO gets the second turn, not the last

@@ -64,6 +64,8 @@ from .merge import MergeError
 from .transport import Clock, EventSource, Transport
 from .transport.log_throttle import LogThrottle
 
+#: Events the driver handles back to back before it lets the event loop poll its sockets.
+EVENTS_PER_TURN = 64
 #: Seconds an ``Exit`` (or a signal) gives queued frames to reach still-connected learners.
 SHUTDOWN_GRACE_S = 5.0
 EXIT_FAILURE = 1
@@ -381,6 +383,7 @@ class Driver:
         # Open now, while descriptors are plenty: peers may take every free one later.
         await self._open_tape()
         with anyio.CancelScope() as self._run_scope:
+            handled = 0
             while self.exit is None:
                 if await self.fire_due_timers():
                     continue
@@ -390,6 +393,12 @@ class Driver:
                     # Let go of the message now: a PUSH's receive buffer is recycled only once
                     # nothing refers to it, and the next frame may already be arriving.
                     del event
+                    handled += 1
+                    if handled % EVENTS_PER_TURN == 0:
+                        # Events that need no I/O come back to back without suspending (a
+                        # learner flooding HEARTBEATs refills the backlog as it drains): let
+                        # the loop poll its sockets, or no other peer is read meanwhile.
+                        await anyio.lowlevel.checkpoint()
         if self.exit is None:
             stop = self._stop_request or Exit(EXIT_FAILURE, "stopped")
             with anyio.CancelScope(shield=True):

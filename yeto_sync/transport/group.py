@@ -638,10 +638,12 @@ class ConnectionGroups:
         for conn in list(self._held):
             if not self._room_for_events():
                 break
+            # Its turn: one that still holds frames after it goes to the back, so a socket
+            # that always has more (a learner flooding HEARTBEATs) cannot keep the front and
+            # hold every other socket's first frame back for as long as it floods.
+            self._held.pop(conn, None)
             sock = self._sockets.get(conn)
-            if sock is None:
-                self._held.pop(conn, None)
-            else:
+            if sock is not None:
                 self._drain(sock, now)
         return self._take_wire()
 
