@@ -761,7 +761,6 @@ class Learner:
         return plan
 
     def _fail(self, failure: BaseException) -> NoReturn:
-        failure = _as_learner_failure(failure)
         self._failed = failure
         self._close_client()
         raise failure
@@ -788,7 +787,9 @@ class Learner:
                     self._epoch = item.epoch
                     session.hello(item.num_streams, generation=item.generation)
                     if self.learner_id == 0:
-                        for init in session.init_messages(self._params.read_copy):
+                        with _own_values_checked():
+                            inits = session.init_messages(self._params.read_copy)
+                        for init in inits:
                             self._send(init)
                 case GroupLost():
                     if item.epoch == self._epoch:
@@ -875,10 +876,8 @@ class Learner:
             ack = session.final_applied(final.final_global_step)
             if ack is not None:
                 self._send(ack)
-        try:
+        with _own_values_checked():
             pushes = session.answer_pulls(self._params.read)
-        except LocalProtocolError as exc:  # the other ranks hear of it as such too
-            raise _as_learner_failure(exc) from exc
         for push in pushes:
             self._send(push)
             self._pushes += 1
@@ -950,23 +949,26 @@ class Learner:
 
 def _failure_text(exc: BaseException) -> str:
     """What the other ranks are told of rank 0's failure (an interrupt has no message)."""
-    return str(_as_learner_failure(exc)) or f"{type(exc).__name__} on rank 0"
+    return str(exc) or f"{type(exc).__name__} on rank 0"
 
 
 _NON_FINITE_PREFIX = f"{ErrorCode.NON_FINITE_VALUE.value}: "
 
 
-def _as_learner_failure(exc: BaseException) -> BaseException:
-    """The error the training loop sees for ``exc``: this learner's own non-finite values
-    (an INIT or a PUSH the session refused to send) become :class:`NonFiniteParameters`."""
-    if not (isinstance(exc, LocalProtocolError) and exc.code is ErrorCode.NON_FINITE_VALUE):
-        return exc
-    failure = NonFiniteParameters(
-        f"{_NON_FINITE_PREFIX}{exc.detail}: this learner's parameters hold NaN or infinity "
-        "(did local training diverge?); nothing was sent to the syncer"
-    )
-    failure.__cause__ = exc
-    return failure
+@contextlib.contextmanager
+def _own_values_checked() -> Iterator[None]:
+    """Where the session encodes this learner's own values (an INIT, a PUSH): its refusal of a
+    NaN or infinity becomes :class:`NonFiniteParameters`, the error the training loop sees
+    (and, as its text, the other ranks)."""
+    try:
+        yield
+    except LocalProtocolError as exc:
+        if exc.code is not ErrorCode.NON_FINITE_VALUE:
+            raise
+        raise NonFiniteParameters(
+            f"{_NON_FINITE_PREFIX}{exc.detail}: this learner's parameters hold NaN or infinity "
+            "(did local training diverge?); nothing was sent to the syncer"
+        ) from exc
 
 
 def _rank_zero_failure(text: str) -> LearnerError:

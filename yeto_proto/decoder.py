@@ -21,7 +21,6 @@ message the data goes, and the bytes are written (or ``recv_into``'d) there dire
 from __future__ import annotations
 
 import enum
-import struct
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,7 +39,7 @@ from .constants import (
 )
 from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from .frames import decode_payload, start_hello_reading
-from .hello_reader import HelloReading
+from .hello_reader import HELLO_FIXED_BYTES, HelloReading, hello_identity
 from .limits import Limits
 from .messages import AnyMessage, Chunk, as_byte_view
 from .schema import CHUNK_PREFIX, HEADER_STRUCT, PREFIX_STRUCTS
@@ -48,10 +47,6 @@ from .schema import CHUNK_PREFIX, HEADER_STRUCT, PREFIX_STRUCTS
 _KNOWN_TYPES = {int(t) for t in FrameType}
 
 
-#: The bytes of a HELLO that are not fragment records (head, two digests, the shortest tail).
-_HELLO_FIXED_BYTES = 19 + 64 + 2
-#: learner_id and connection_generation, after the 2-byte protocol_version of a HELLO payload.
-_HELLO_IDENTITY = struct.Struct("<IQ")
 #: A payload this large marks a bulk stream: see :meth:`FrameDecoder.header_wanted`.
 BULK_PAYLOAD = 64 << 10
 #: The most bytes a syncer's decoder holds after the first frame while it waits for the session
@@ -256,14 +251,13 @@ class FrameDecoder:
             return None
         item = self._ready[0]
         assert not isinstance(item, Chunk)
-        learner_id, generation = _HELLO_IDENTITY.unpack_from(item[1], 2)
-        return int(learner_id), int(generation)
+        return hello_identity(item[1])
 
     def _steps(self, frame_type: FrameType, payload: memoryview) -> bool:
         return (
             frame_type is FrameType.HELLO
             and self._hello_step is not None
-            and len(payload) - _HELLO_FIXED_BYTES > self._hello_step
+            and len(payload) - HELLO_FIXED_BYTES > self._hello_step
         )
 
     def set_limits(self, limits: Limits) -> None:

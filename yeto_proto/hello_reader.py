@@ -40,6 +40,19 @@ _DTYPES = frozenset(int(d) for d in WireDtype)
 _SHARED_RECORDS_MAX = 4096
 _TAIL_WITHOUT_PROFILE = 2
 _TAIL_WITH_PROFILE = 2 + DIGEST_SIZE
+#: protocol_version, learner_id, connection_generation, dtype, num_fragments.
+_HEAD_BYTES = _U16.size + _U32.size + _U64.size + _U8.size + _U32.size
+#: The bytes of a HELLO payload that are not fragment records: the head, the two digests and
+#: the shortest tail.
+HELLO_FIXED_BYTES = _HEAD_BYTES + 2 * DIGEST_SIZE + _TAIL_WITHOUT_PROFILE
+_IDENTITY = struct.Struct("<IQ")  # learner_id, connection_generation
+
+
+def hello_identity(payload: BytesLike) -> tuple[int, int]:
+    """``(learner_id, generation)`` as a HELLO payload's head states them, not checked (a
+    receiver may want them before it reads the HELLO); the payload must hold its head."""
+    learner_id, generation = _IDENTITY.unpack_from(payload, _U16.size)
+    return int(learner_id), int(generation)
 
 
 def _refuse(code: ErrorCode, message: str) -> RemoteProtocolError:
@@ -126,10 +139,6 @@ class HelloReading:
         self._records_left = num_fragments
         self._fragments: list[WireFragment] = []
         self._seen: dict[bytes, WireFragment] = {}
-
-    @property
-    def records_left(self) -> int:
-        return self._records_left
 
     @property
     def identity(self) -> tuple[int, int]:

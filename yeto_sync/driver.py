@@ -274,8 +274,8 @@ class Driver:
         self.exit: Exit | None = None
         #: The last checkpoint known to be durable on disk.
         self.last_checkpoint: DurableCheckpoint | None = None
-        #: Whether a marker left beside the checkpoint was looked for (once, before this run's
-        #: first checkpoint write; afterwards only this run's own final marker can exist).
+        #: Whether this run has replaced the checkpoint once (a marker left beside it went at
+        #: that replacement; afterwards only this run's own final marker can exist).
         self._marker_cleared = False
 
     # -- one event ---------------------------------------------------------------------------

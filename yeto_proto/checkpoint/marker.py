@@ -58,7 +58,7 @@ def write_final_marker(checkpoint_path: str | os.PathLike[str], global_step: int
 def remove_final_marker(checkpoint_path: str | os.PathLike[str]) -> bool:
     """Durably remove the checkpoint's marker, if there is one; True if there was.
 
-    Call it before the checkpoint file is replaced: a marker describes the file it sits beside,
+    Call it as the checkpoint file is replaced: a marker describes the file it sits beside,
     and one left from before a resume could otherwise name the step of a later periodic
     checkpoint and make it read as a final cut. ``OSError`` becomes ``CKPT_IO``.
     """
