@@ -27,9 +27,17 @@ Parts (``--part``, comma separated; default all):
   ``all_reduce`` of the same tensor and world size, (c) torchft 0.2 DiLoCo outer sync of a
   4096×4096 ``nn.Linear`` with M replicas (if torchft imports), and the merge time
   (``merge_round`` of M responses, in this process).
-- ``throttled``: the dtype comparison again on an emulated 1 Gbit/s link (``--rate-gbit``): a
-  token bucket (64 KiB burst) in every learner's socket layer, per learner and per direction,
-  in front of both the yeto learners and the plain-socket clients.
+- ``throttled``: the dtype comparison again on an emulated 1 Gbit/s link (``--rate-gbit``), per
+  learner and per direction, in front of both the yeto learners and the plain-socket clients.
+  ``--link kernel``: the syncer (and (a)'s server) in a network namespace of its own, each
+  learner in another, joined by a veth pair with a ``tbf`` qdisc on both ends
+  (``benchmarks/shaped_link.py``; needs root and iproute2). ``--link bucket``: a token bucket
+  (64 KiB burst) in every learner's socket layer, on loopback. The default, ``auto``, takes
+  the kernel link where it can be made. The kernel link is the closer model of a real one: a
+  sender's socket buffer drains onto it while the sender waits for a core, where a bucket in
+  the socket layer leaves the link idle whenever the process that holds it is not running.
+  Rounds on loopback, and the last rounds of every run (they overlap its final cut: a
+  FINAL_FRAGMENT of every fragment, f32, on the same links), are not measured.
 - ``scale``: F = 8 fragments of 1M f32 values, 64 rounds, M = 4, 8, 16, 32 learners (threads in
   four host processes), pipeline 2; the syncer's CPU time (utime + stime of the daemon) and wall
   time per round over rounds 9..56, and per learner.
@@ -43,6 +51,7 @@ M = 4).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import importlib
@@ -107,6 +116,15 @@ from yeto_proto.constants import Q4_BLOCK_VALUES, STRIPED_TYPES  # noqa: E402
 from yeto_proto.dtypes import _q4_encode_blocks, _Q4EncodeScratch  # noqa: E402
 from yeto_sync.receive_watermark import ReceiveWatermark  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from shaped_link import (  # noqa: E402
+    BURST_BYTES,
+    ShapedLinks,
+    enter_namespace,
+    shaped_links,
+    shaped_links_available,
+)
+
 F32Array = NDArray[np.float32]
 MIB = 1 << 20
 SPAWN = multiprocessing.get_context("spawn")
@@ -120,6 +138,10 @@ STREAM_ENCODE_VALUES = 1 << 17
 #: it is written. On loopback the send is CPU-bound, so pieces of one encode step (~66 KiB of
 #: q4) only add syscalls and wake-ups (q4 push ~53 ms instead of ~37 ms, M = S = 2, 2 cores).
 STREAM_SEND_PIECE = 1 * MIB
+#: A round's first streamed piece: the link waits for its encode (~0.1 ms instead of the ~3 ms
+#: a whole 1 MiB piece of q4 takes); each next piece is as large as all encoded so far, up to
+#: STREAM_SEND_PIECE.
+STREAM_FIRST_PIECE = 64 << 10
 TIMEOUT_S = 300.0
 FINGERPRINT = bytes(range(32))
 CONTRACT = bytes(range(64, 96))
@@ -276,26 +298,28 @@ class Link:
         total = 0
         for buffer in buffers:
             view = memoryview(buffer).cast("B")
-            if self.up is not None:
-                step = THROTTLE_SLICE
-            elif streamed is not None and not streamed.done:
-                step = self.stream_piece
+            if self.up is None and (streamed is None or streamed.done):
+                sock.sendall(view)  # all at once
             else:
-                step = 0  # all at once
-            if not step:
-                sock.sendall(view)
-            else:
-                for start in range(0, len(view), step):
-                    piece = view[start : start + step]
+                start = 0
+                while start < len(view):
+                    piece = view[start : start + self._piece_size(streamed)]
                     if streamed is not None:
                         streamed.ready(piece)
                     if self.up is not None:
                         ahead = None if streamed is None else streamed.encode_ahead
                         self.up.spend(len(piece), ahead)
                     sock.sendall(piece)
+                    start += len(piece)
             total += len(view)
         self.sent += total
         return total
+
+    def _piece_size(self, streamed: StreamedPayload | None) -> int:
+        if self.up is not None:
+            return THROTTLE_SLICE
+        assert streamed is not None
+        return min(self.stream_piece, max(STREAM_FIRST_PIECE, streamed.encoded_bytes))
 
     def recv_into(self, sock: socket.socket, target: memoryview) -> int:
         if self.down is not None:
@@ -315,6 +339,47 @@ class Link:
             got += size
 
 
+@dataclass(frozen=True)
+class Network:
+    """Where a case's processes talk: raw loopback, loopback behind a token bucket in each
+    learner's socket layer (``rate``), or kernel-shaped links between namespaces (``shaped``)."""
+
+    rate: float | None = None
+    shaped: ShapedLinks | None = None
+
+    @property
+    def server_host(self) -> str:
+        # Inside the hub namespace nothing but the benchmark's links can reach the port.
+        return "0.0.0.0" if self.shaped is not None else "127.0.0.1"
+
+    @property
+    def server_namespace(self) -> str | None:
+        return None if self.shaped is None else self.shaped.hub
+
+    def learner_end(self, learner: int) -> tuple[str, str | None]:
+        """Learner ``learner``'s address of the server and the namespace it runs in."""
+        if self.shaped is None:
+            return "127.0.0.1", None
+        return self.shaped.hub_address(learner), self.shaped.learner_namespace(learner)
+
+    def describe(self) -> str:
+        if self.shaped is not None:
+            return (
+                f"emulated {self.shaped.rate * 8 / 1e9:g} Gbit/s per learner and direction "
+                "(kernel-shaped: a veth pair per learner between network namespaces, `tbf` on "
+                f"both ends, {BURST_BYTES >> 10} KiB burst)"
+            )
+        if self.rate is not None:
+            return (
+                f"emulated {self.rate * 8 / 1e9:g} Gbit/s per learner and direction (token "
+                "bucket, 64 KiB burst, in the learners' socket layer)"
+            )
+        return "raw loopback"
+
+
+LOOPBACK = Network()
+
+
 # -- a benchmark learner ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LearnerPlan:
@@ -326,6 +391,9 @@ class LearnerPlan:
     rate: float | None = None
     #: Report the receipt time of BCASTs of these versions to ``progress`` (scale run).
     watch_versions: tuple[int, ...] = ()
+    #: The syncer's address, and the network namespace this learner runs in (shaped links).
+    host: str = "127.0.0.1"
+    netns: str | None = None
 
     @property
     def layout(self) -> WireLayout:
@@ -418,7 +486,7 @@ class BenchLearner:
             self._add_socket().sendall(b"".join(encode(data_hello)))
 
     def _add_socket(self) -> socket.socket:
-        sock = socket.create_connection(("127.0.0.1", self.plan.port), timeout=TIMEOUT_S)
+        sock = socket.create_connection((self.plan.host, self.plan.port), timeout=TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sockets.append(sock)
         self.decoders[sock] = FrameDecoder(
@@ -589,6 +657,7 @@ def learner_process(plan: LearnerPlan, pipe: Connection) -> None:
         pipe.recv()
 
     try:
+        enter_namespace(plan.netns)
         report = BenchLearner(plan, before_ack=before_ack).run()
         pipe.send(("done", report))
     except Exception as exc:
@@ -619,16 +688,27 @@ def learner_host_process(
 
 # -- the daemon -------------------------------------------------------------------------------
 class Daemon:
-    """``python -m yeto_sync`` on 127.0.0.1:0 (optionally under cProfile), stderr to a file."""
+    """``python -m yeto_sync`` on port 0 of the network's server host (optionally under
+    cProfile), stderr to a file."""
 
-    def __init__(self, flags: Sequence[str], workdir: Path, *, profile: Path | None) -> None:
+    def __init__(
+        self,
+        flags: Sequence[str],
+        workdir: Path,
+        *,
+        profile: Path | None,
+        network: Network = LOOPBACK,
+    ) -> None:
         runner = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
         self.log_path = workdir / "syncer.log"
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        host = network.server_host
+        command = [sys.executable, *runner, "-m", "yeto_sync", "--host", host, "--port", "0"]
+        if network.shaped is not None:
+            command = network.shaped.command_in_hub(command)
         with open(self.log_path, "w", encoding="utf-8") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, *runner, "-m", "yeto_sync", "--host", "127.0.0.1", "--port", "0"]
-                + list(flags),
+                command + list(flags),
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
@@ -644,7 +724,7 @@ class Daemon:
         except queue.Empty:
             self.kill()
             raise RuntimeError(f"yeto-sync did not start:\n{self.log_tail()}") from None
-        prefix = "yeto-sync listening on 127.0.0.1:"
+        prefix = f"yeto-sync listening on {host}:"
         if not line.startswith(prefix):
             self.kill()
             raise RuntimeError(f"bad ready line {line!r}:\n{self.log_tail()}")
@@ -723,29 +803,44 @@ def run_yeto(
     numel: int,
     rounds: int,
     *,
-    rate: float | None,
+    network: Network,
     profile: Path | None,
     fragments: int = 1,
     pipeline: int = 1,
 ) -> RoundResult:
-    """``rounds`` measured rounds after WARMUP_PASSES rounds per fragment of warm-up.
+    """``rounds`` measured rounds after WARMUP_PASSES rounds per fragment of warm-up, and
+    ``pipeline`` rounds after them that are not measured.
 
     The syncer's array pools reach their steady state at its second commit of a fragment (the
-    first commits allocate what later ones recycle), which a long run reaches at once.
+    first commits allocate what later ones recycle), which a long run reaches at once. The run's
+    last rounds overlap its final cut (a FINAL_FRAGMENT of every fragment, in f32, queued on the
+    same links right after the last commit), which a long run meets once: no measured round
+    shares its links or cores with the final cut.
     """
     warmup = WARMUP_PASSES * fragments
-    total = warmup + rounds
+    last_measured = warmup + rounds
+    total = last_measured + pipeline
     numels = tuple(numel // fragments + (i < numel % fragments) for i in range(fragments))
     with tempfile.TemporaryDirectory(prefix="bench-round-") as tmp:
         tape = Path(tmp) / "tape.jsonl"
         flags = [*daemon_flags(learners, total, pipeline=pipeline), f"--event-tape={tape}"]
-        daemon = Daemon(flags, Path(tmp), profile=profile)
+        daemon = Daemon(flags, Path(tmp), profile=profile, network=network)
         pipes: list[Connection] = []
         processes = []
         try:
             for learner_id in range(learners):
                 parent, child = SPAWN.Pipe()
-                plan = LearnerPlan(daemon.port, learner_id, dtype.value, numels, streams, rate)
+                host, netns = network.learner_end(learner_id)
+                plan = LearnerPlan(
+                    daemon.port,
+                    learner_id,
+                    dtype.value,
+                    numels,
+                    streams,
+                    network.rate,
+                    host=host,
+                    netns=netns,
+                )
                 process = SPAWN.Process(target=learner_process, args=(plan, child), daemon=True)
                 process.start()
                 pipes.append(parent)
@@ -769,7 +864,7 @@ def run_yeto(
                     process.kill()
     if profile is not None:
         print_profile(profile, f"M={learners} S={streams} {dtype.name.lower()}")
-    steps = range(warmup + 1, total + 1)
+    steps = range(warmup + 1, last_measured + 1)
     latencies = [
         max(r.bcasts[t] for r in reports) - min(r.pulls[t] for r in reports) for t in steps
     ]
@@ -783,7 +878,7 @@ def run_yeto(
         latencies,
         statistics.median(push_phase),
         statistics.median(sync_ms[t] for t in steps) / 1000,
-        (max(r.bcasts[total] for r in reports) - min(r.pulls[warmup + 1] for r in reports))
+        (max(r.bcasts[last_measured] for r in reports) - min(r.pulls[warmup + 1] for r in reports))
         / rounds,
         statistics.median(
             max(r.bcasts[t] for r in reports) - max(r.bcasts[t - 1] for r in reports) for t in steps
@@ -805,10 +900,16 @@ def expect(pipe: Connection, kind: str, daemon: Daemon) -> Any:
 
 # -- (a) plain blocking sockets -----------------------------------------------------------------
 def plain_server_process(
-    pipe: Connection, learners: int, push_bytes: int, bcast_bytes: int, rounds: int
+    pipe: Connection,
+    learners: int,
+    push_bytes: int,
+    bcast_bytes: int,
+    rounds: int,
+    network: Network,
 ) -> None:
     """Accept M clients; per round: go byte, receive every push, then send every bcast."""
-    with socket.create_server(("127.0.0.1", 0)) as server:
+    enter_namespace(network.server_namespace)
+    with socket.create_server((network.server_host, 0)) as server:
         pipe.send(server.getsockname()[1])
         clients = [server.accept()[0] for _ in range(learners)]
     pushed = threading.Barrier(learners)
@@ -836,14 +937,22 @@ def plain_server_process(
 
 
 def plain_client_process(
-    pipe: Connection, port: int, push_bytes: int, bcast_bytes: int, rounds: int, rate: float | None
+    pipe: Connection,
+    port: int,
+    push_bytes: int,
+    bcast_bytes: int,
+    rounds: int,
+    network: Network,
+    learner: int,
 ) -> None:
-    link = Link(rate)
+    host, netns = network.learner_end(learner)
+    enter_namespace(netns)
+    link = Link(network.rate)
     push = np.full(push_bytes, 7, np.uint8)
     inbound = np.empty(bcast_bytes, np.uint8).data.cast("B")
     go = bytearray(1)
     times: list[tuple[float, float]] = []
-    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:
+    with socket.create_connection((host, port), timeout=TIMEOUT_S) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for _ in range(rounds):
             link.recv_exactly(sock, memoryview(go))
@@ -855,24 +964,24 @@ def plain_client_process(
 
 
 def run_plain(
-    learners: int, push_bytes: int, bcast_bytes: int, rounds: int, rate: float | None
+    learners: int, push_bytes: int, bcast_bytes: int, rounds: int, network: Network
 ) -> list[float]:
     """(a): the round latencies of plain blocking sockets moving the same bytes."""
     total = rounds + 1
     server_pipe, server_child = SPAWN.Pipe()
     server = SPAWN.Process(
         target=plain_server_process,
-        args=(server_child, learners, push_bytes, bcast_bytes, total),
+        args=(server_child, learners, push_bytes, bcast_bytes, total, network),
         daemon=True,
     )
     server.start()
     port = server_pipe.recv()
     pipes, clients = [], []
-    for _ in range(learners):
+    for learner in range(learners):
         parent, child = SPAWN.Pipe()
         client = SPAWN.Process(
             target=plain_client_process,
-            args=(child, port, push_bytes, bcast_bytes, total, rate),
+            args=(child, port, push_bytes, bcast_bytes, total, network, learner),
             daemon=True,
         )
         client.start()
@@ -896,7 +1005,7 @@ def run_bracketed(
     push_bytes: int,
     bcast_bytes: int,
     rounds: int,
-    rate: float | None,
+    network: Network,
     case: Callable[[], RoundResult],
 ) -> tuple[RoundResult, float]:
     """``case`` between two runs of (a); (a) = the median of both runs' rounds.
@@ -905,9 +1014,9 @@ def run_bracketed(
     the case it is compared with shares the case's conditions, which (a) measured once for many
     cases does not.
     """
-    before = run_plain(learners, push_bytes, bcast_bytes, rounds, rate)
+    before = run_plain(learners, push_bytes, bcast_bytes, rounds, network)
     result = case()
-    after = run_plain(learners, push_bytes, bcast_bytes, rounds, rate)
+    after = run_plain(learners, push_bytes, bcast_bytes, rounds, network)
     return result, statistics.median(before + after)
 
 
@@ -1192,28 +1301,23 @@ def parse_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-def rounds_part(args: argparse.Namespace, tables: Tables, throttled: bool) -> dict[str, float]:
-    """The round table, raw loopback or throttled; returns the figures targets need."""
+def rounds_part(args: argparse.Namespace, tables: Tables, network: Network) -> dict[str, float]:
+    """The round table, raw loopback or emulated; returns the figures targets need."""
+    throttled = network != LOOPBACK
     learners_list = [int(m) for m in parse_list(args.learners)]
     streams_list = [int(s) for s in parse_list(args.streams)]
     dtypes = [DTYPES[d] for d in parse_list(args.dtypes)]
-    rate = args.rate_gbit * 1e9 / 8 if throttled else None
     if throttled:
         streams_list = [s for s in streams_list if s == 2] or streams_list[:1]
     numel = args.numel
     frag_bytes = numel * 4
     figures: dict[str, float] = {}
-    link = (
-        f"emulated {args.rate_gbit:g} Gbit/s per learner and direction (token bucket, 64 KiB "
-        "burst, in the learners' socket layer)"
-        if throttled
-        else "raw loopback"
-    )
-    tables.out(f"\n### Round latency, {link}\n")
+    tables.out(f"\n### Round latency, {network.describe()}\n")
     tables.out(
         f"One fragment of {numel:,} f32 values ({frag_bytes / MIB:.0f} MiB), pipeline 1, quorum "
         f"M, delta correction none; median of {args.rounds} rounds after {WARMUP_PASSES} warm-up "
-        "rounds. Round t = "
+        "rounds, and before one more that is not measured (the run's last round overlaps its "
+        "final cut, the FINAL_FRAGMENTs on the same links). Round t = "
         "first learner holding both PULL t and BCAST t−1 → last learner's receipt of BCAST t; "
         "back to back = the median time from one round's end to the next one's (rounds follow "
         "one another; a round's latency also counts how much earlier the first learner had "
@@ -1245,7 +1349,7 @@ def rounds_part(args: argparse.Namespace, tables: Tables, throttled: bool) -> di
                     push_bytes,
                     bcast_bytes,
                     args.rounds,
-                    rate,
+                    network,
                     functools.partial(
                         run_yeto,
                         learners,
@@ -1253,7 +1357,7 @@ def rounds_part(args: argparse.Namespace, tables: Tables, throttled: bool) -> di
                         dtype,
                         numel,
                         args.rounds,
-                        rate=rate,
+                        network=network,
                         profile=profile,
                     ),
                 )
@@ -1274,21 +1378,18 @@ def rounds_part(args: argparse.Namespace, tables: Tables, throttled: bool) -> di
     return figures
 
 
-def pipelined_part(args: argparse.Namespace, tables: Tables) -> dict[str, float]:
+def pipelined_part(args: argparse.Namespace, tables: Tables, network: Network) -> dict[str, float]:
     """f32 against q4 on the emulated link with the same tensor split into fragments in flight."""
     fragments, pipeline, learners, streams = PIPELINED
-    rate = args.rate_gbit * 1e9 / 8
     rounds = 3 * fragments
-    tables.out(
-        f"\n### Fragments in flight, emulated {args.rate_gbit:g} Gbit/s per learner and direction\n"
-    )
+    tables.out(f"\n### Fragments in flight, {network.describe()}\n")
     tables.out(
         f"The same {args.numel:,} f32 values as {fragments} fragments, `--pipeline {pipeline}`, "
         f"M = {learners}, S = {streams}: one fragment's merge can overlap another's transfer. "
         f"ms per round = wall time from the first measured PULL to the last BCAST, over "
-        f"{rounds} rounds after {WARMUP_PASSES * fragments} of warm-up (rounds overlap, so this is "
-        "the run's "
-        "speed rather than one round's latency); a round moves a quarter of the tensor."
+        f"{rounds} rounds after {WARMUP_PASSES * fragments} of warm-up and before {pipeline} "
+        "more that overlap the final cut (rounds overlap, so this is the run's speed rather "
+        "than one round's latency); a round moves a quarter of the tensor."
     )
     tables.out()
     tables.out("| dtype | ms per round | median round latency ms | merge ms | × f32 |")
@@ -1301,7 +1402,7 @@ def pipelined_part(args: argparse.Namespace, tables: Tables) -> dict[str, float]
             dtype,
             args.numel,
             rounds,
-            rate=rate,
+            network=network,
             profile=None,
             fragments=fragments,
             pipeline=pipeline,
@@ -1354,7 +1455,7 @@ def baselines_part(args: argparse.Namespace, tables: Tables) -> dict[str, float]
     return figures
 
 
-def repeats_part(args: argparse.Namespace, tables: Tables) -> None:
+def repeats_part(args: argparse.Namespace, tables: Tables, emulated: Network) -> None:
     """The two targets that sit near their limits, each measured ``--repeats`` times over.
 
     One run of a target says little on a host whose speed drifts by ±20% within a minute; each
@@ -1363,12 +1464,12 @@ def repeats_part(args: argparse.Namespace, tables: Tables) -> None:
     runs = args.repeats
     if runs < 1:
         return
-    numel, rate = args.numel, args.rate_gbit * 1e9 / 8
+    numel = args.numel
     tables.out("\n### Targets over repeated runs\n")
     tables.out(
         f"Each of {runs} repeats measures afresh, in this order: f32 M=2 S=2 on raw loopback "
         "between two runs of (a), and the merge in this process (limit = 1.5 × (a) + merge); "
-        "then f32 and q4, M=2 S=2, on the emulated link (q4 ≥ 3× f32). Medians of "
+        f"then f32 and q4, M=2 S=2, {emulated.describe()} (q4 ≥ 3× f32). Medians of "
         f"{args.rounds} rounds each, as in the tables above."
     )
     tables.out()
@@ -1384,14 +1485,14 @@ def repeats_part(args: argparse.Namespace, tables: Tables) -> None:
             push_bytes,
             bcast_bytes,
             args.rounds,
-            None,
+            LOOPBACK,
             functools.partial(
-                run_yeto, 2, 2, WireDtype.F32, numel, args.rounds, rate=None, profile=None
+                run_yeto, 2, 2, WireDtype.F32, numel, args.rounds, network=LOOPBACK, profile=None
             ),
         )
         limit = 1.5 * plain + measure_merge(2, numel)
         throttled = [
-            run_yeto(2, 2, dtype, numel, args.rounds, rate=rate, profile=None).latency_s
+            run_yeto(2, 2, dtype, numel, args.rounds, network=emulated, profile=None).latency_s
             for dtype in (WireDtype.F32, WireDtype.Q4)
         ]
         speedup = throttled[0] / throttled[1]
@@ -1480,6 +1581,23 @@ def targets(figures: dict[str, float], tables: Tables) -> None:
         )
 
 
+def emulated_network(
+    args: argparse.Namespace, parts: set[str], stack: contextlib.ExitStack[bool | None]
+) -> Network:
+    """The link the emulated parts run on (``--link``); shaped links live until ``stack`` ends."""
+    rate = args.rate_gbit * 1e9 / 8
+    if args.link == "bucket" or not parts & {"throttled", "pipelined", "repeats"}:
+        return Network(rate=rate)
+    why_not = shaped_links_available()
+    if why_not is not None:
+        if args.link == "kernel":
+            raise SystemExit(f"bench_round: --link kernel: {why_not}")
+        print(f"bench_round: kernel-shaped links unavailable ({why_not}); token bucket", flush=True)
+        return Network(rate=rate)
+    learners = max([2, *(int(m) for m in parse_list(args.learners))])
+    return Network(shaped=stack.enter_context(shaped_links(learners, rate)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", default="rounds,baselines,throttled,pipelined,scale,repeats")
@@ -1489,6 +1607,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--numel", type=int, default=4096 * 4096)
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds per case")
     parser.add_argument("--rate-gbit", type=float, default=1.0)
+    parser.add_argument(
+        "--link",
+        choices=("auto", "kernel", "bucket"),
+        default="auto",
+        help="the emulated link: kernel-shaped veth links between network namespaces (needs "
+        "root and iproute2), a token bucket in the learners' socket layer, or kernel when "
+        "possible (auto)",
+    )
     parser.add_argument(
         "--repeats", type=int, default=8, help="runs of the two near-limit targets (repeats)"
     )
@@ -1505,20 +1631,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"numpy {np.__version__}; load average at the start {load[0]:.2f}"
     )
     figures: dict[str, float] = {}
-    if "rounds" in parts:
-        figures |= rounds_part(args, tables, throttled=False)
-    if "baselines" in parts:
-        figures |= baselines_part(args, tables)
-    if "throttled" in parts:
-        throttled = rounds_part(args, tables, throttled=True)
-        figures |= {f"throttled {k}": v for k, v in throttled.items()}
-    if "pipelined" in parts:
-        figures |= pipelined_part(args, tables)
-    if "scale" in parts:
-        scale_part(args, tables)
-    targets(figures, tables)
-    if "repeats" in parts:
-        repeats_part(args, tables)
+    with contextlib.ExitStack() as stack:
+        emulated = emulated_network(args, parts, stack)
+        if "rounds" in parts:
+            figures |= rounds_part(args, tables, LOOPBACK)
+        if "baselines" in parts:
+            figures |= baselines_part(args, tables)
+        if "throttled" in parts:
+            throttled = rounds_part(args, tables, emulated)
+            figures |= {f"throttled {k}": v for k, v in throttled.items()}
+        if "pipelined" in parts:
+            figures |= pipelined_part(args, tables, emulated)
+        if "scale" in parts:
+            scale_part(args, tables)
+        targets(figures, tables)
+        if "repeats" in parts:
+            repeats_part(args, tables, emulated)
     load = os.getloadavg()
     tables.out(
         f"\nTotal {time.monotonic() - started:.0f} s; load average at the end {load[0]:.2f}."
