@@ -36,8 +36,8 @@ Parts (``--part``, comma separated; default all):
   the kernel link where it can be made. The kernel link is the closer model of a real one: a
   sender's socket buffer drains onto it while the sender waits for a core, where a bucket in
   the socket layer leaves the link idle whenever the process that holds it is not running.
-  Rounds on loopback, and the last rounds of every run (they overlap its final cut: a
-  FINAL_FRAGMENT of every fragment, f32, on the same links), are not measured.
+  On every link, the last rounds of a run are not measured: they overlap its final cut (a
+  FINAL_FRAGMENT of every fragment, f32, on the same links).
 - ``scale``: F = 8 fragments of 1M f32 values, 64 rounds, M = 4, 8, 16, 32 learners (threads in
   four host processes), pipeline 2; the syncer's CPU time (utime + stime of the daemon) and wall
   time per round over rounds 9..56, and per learner.
