@@ -29,7 +29,7 @@ from test_learner_client import (
     tiny_model,
 )
 
-from yeto_learn import FinishTimeout, Learner, SyncerUnreachable
+from yeto_learn import FinishTimeout, Learner, SyncerSilent, SyncerUnreachable
 from yeto_learn.transport import (
     ClientConfig,
     ClientFailed,
@@ -405,6 +405,65 @@ def started_learner(syncer: ScriptedSyncer, **options: Any) -> tuple[Learner, Sc
                       run_id="r", **options)  # fmt: skip
     opening.join(10)
     return learner, groups[0]
+
+
+def start_slowly(
+    syncer: ScriptedSyncer, trickle_s: float, *, stop_after: int | None = None
+) -> tuple[threading.Thread, list[ScriptedGroup]]:
+    """A scripted first group: fragment 0's BCAST at once, then fragment 1's byte by byte over
+    ``trickle_s`` (a large model on a slow link), or only ``stop_after`` of its bytes."""
+    groups: list[ScriptedGroup] = []
+
+    def serve() -> None:
+        group = syncer.accept_group(0)
+        groups.append(group)
+        sock = group.control.sock
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        numels = group.hello.layout.numels
+        group.control.send(BcastFragment(0, 0, np.zeros(numels[0], "<f4").view(np.uint8).data))
+        frame = encode_bytes(BcastFragment(1, 0, np.zeros(numels[1], "<f4").view(np.uint8).data))
+        frame = frame if stop_after is None else frame[:stop_after]
+        for index in range(len(frame)):
+            time.sleep(trickle_s / len(frame))
+            with contextlib.suppress(OSError):  # the learner may have given up and closed
+                sock.sendall(frame[index : index + 1])
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    return thread, groups
+
+
+def test_the_start_waits_past_connect_timeout_while_the_model_keeps_arriving(
+    syncer: ScriptedSyncer,
+) -> None:
+    # The first broadcast takes 2.5 connect_timeouts to arrive, but bytes keep coming.
+    serving, groups = start_slowly(syncer, 2.5)
+    started = time.monotonic()
+    learner = Learner(tiny_model(), syncer=f"127.0.0.1:{syncer.port}", learner_id=1,
+                      num_learners=2, fragments=2, streams=0, connect_timeout=1.0,
+                      run_id="r")  # fmt: skip
+    try:
+        assert time.monotonic() - started >= 2.0
+        assert learner.stats.generations == 1
+    finally:
+        serving.join(10)
+        learner.close()
+        groups[0].close()
+
+
+def test_a_start_whose_model_stops_arriving_says_how_far_it_got(syncer: ScriptedSyncer) -> None:
+    serving, groups = start_slowly(syncer, 0.2, stop_after=12)
+    started = time.monotonic()
+    try:
+        with pytest.raises(SyncerSilent, match=r"started, then nothing moved for 1 s with 1 of 2"):
+            Learner(tiny_model(), syncer=f"127.0.0.1:{syncer.port}", learner_id=1,
+                    num_learners=2, fragments=2, streams=0, connect_timeout=1.0,
+                    run_id="r")  # fmt: skip
+        assert time.monotonic() - started < 4.0
+    finally:
+        serving.join(10)
+        for group in groups:
+            group.close()
 
 
 def test_a_frozen_learner_reports_on_the_group_it_learns_of_and_pushes_nothing_there(

@@ -163,7 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help="learner output directory (artifact, run id)")
     parser.add_argument("--run-id", help="shared run id (default: $YETO_RUN_ID)")
     parser.add_argument("--progress-every", type=float, default=0.5, help="seconds between lines")
-    parser.add_argument("--connect-timeout", type=float, default=60.0)
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=60.0,
+        help="give up starting once nothing has moved to or from the syncer for this long",
+    )
     parser.add_argument("--finish-timeout", type=float, default=120.0)
 
     return parser

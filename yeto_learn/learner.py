@@ -15,7 +15,8 @@ Construction builds the layout from the model's named trainable parameters, deri
 session contract, starts the network client in a background thread, and returns once every
 fragment holds the syncer's global state (its initial one, or the current one for a learner
 that joins later; the session itself may still wait for other learners to join, and training
-meanwhile is local). ``step`` never
+meanwhile is local). It raises once nothing has moved to or from the syncer for
+``connect_timeout`` seconds, so a large model on a slow link may take longer. ``step`` never
 waits on the network: the client thread and this one meet in thread-safe queues, and the
 protocol rules live in :class:`~yeto_learn.session.LearnerSession`, which this class drives.
 
@@ -82,6 +83,7 @@ from .session import (
 from .transport import (
     ClientConfig,
     ClientFailed,
+    Counters,
     FinishTimeout,
     GroupLost,
     GroupUp,
@@ -117,6 +119,10 @@ NO_ROUND_WARNING_S = 120.0
 _NO_ROUND_GAP_FACTOR = 3.0
 _NO_ROUND_AFTER_ONE_PULL_S = 600.0
 _NO_ROUND_REPEAT_S = 600.0
+
+
+#: Bytes sent that count as progress while the constructor waits (learner 0's INIT upload).
+_SENT_PROGRESS_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,7 +460,12 @@ class Learner:
             )
             self._client = SyncerClient(config, hello, self._session.limits)
             self._client.start()
-        deadline = time.monotonic() + connect_timeout
+        # A large model over a slow link takes longer than connect_timeout to arrive (and
+        # learner 0's INIT to go out): the wait gives up only when nothing moves for that long.
+        # (Other torchrun ranks have no client: rank 0's verdict reaches them.)
+        deadline: float | Callable[[], float] = time.monotonic() + connect_timeout
+        if self._client is not None:
+            deadline = _QuietDeadline(self._client.counters, connect_timeout).deadline
         try:
             self._service_until(
                 lambda: all(self._adopted),
@@ -480,10 +491,17 @@ class Learner:
         assert self._client is not None
         if self._epoch == 0:  # no connection group was ever opened
             return self._client.unreachable()
+        quiet = self._client.config.connect_timeout
+        arrived = sum(self._adopted)
+        if arrived:
+            return SyncerSilent(
+                f"the session with the syncer at {self.syncer_address} started, then nothing "
+                f"moved for {quiet:g} s with {arrived} of {len(self._adopted)} fragments "
+                "received"
+            )
         return SyncerSilent(
-            f"no session started with the syncer at {self.syncer_address} within "
-            f"{self._client.config.connect_timeout:g} s: is it a yeto-sync, and did all "
-            f"{self.num_learners} learners join?"
+            f"no session started with the syncer at {self.syncer_address}: nothing moved for "
+            f"{quiet:g} s; is it a yeto-sync, and did all {self.num_learners} learners join?"
         )
 
     # -- the training loop's API -----------------------------------------------------------
@@ -695,7 +713,7 @@ class Learner:
     def _service_until(
         self,
         done: Callable[[], bool],
-        deadline: float,
+        deadline: float | Callable[[], float],
         on_timeout: Callable[[], LearnerError],
         *,
         finishing: bool = False,
@@ -706,7 +724,7 @@ class Learner:
             error: BaseException | None = None
             if self.is_leader:
                 try:
-                    left = deadline - time.monotonic()
+                    left = (deadline() if callable(deadline) else deadline) - time.monotonic()
                     if done():
                         plan = Plan(PlanStatus.DONE)
                     elif self._client_closed:  # by close() from another thread: nothing comes
@@ -945,6 +963,24 @@ class Learner:
                 "the final state was applied and acknowledged, but the learner's artifact was "
                 f"not saved: {_write_failure(exc, self.out_dir)}"
             ) from exc
+
+
+class _QuietDeadline:
+    """A deadline ``quiet_s`` after the client last made progress: a byte received, or another
+    :data:`_SENT_PROGRESS_BYTES` sent (a redialing client resends its HELLOs, which are not)."""
+
+    def __init__(self, counters: Counters, quiet_s: float) -> None:
+        self._counters = counters
+        self._quiet_s = quiet_s
+        # Written by the client thread; an int read is atomic, a stale one only delays.
+        self._received, self._sent = counters.bytes_received, counters.bytes_sent
+        self._since = time.monotonic()
+
+    def deadline(self) -> float:
+        received, sent = self._counters.bytes_received, self._counters.bytes_sent
+        if received != self._received or sent - self._sent >= _SENT_PROGRESS_BYTES:
+            self._received, self._sent, self._since = received, sent, time.monotonic()
+        return self._since + self._quiet_s
 
 
 def _failure_text(exc: BaseException) -> str:
