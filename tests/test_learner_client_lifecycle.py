@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 from syncer_process import free_port
@@ -166,6 +167,24 @@ def test_a_close_as_a_dial_completes_opens_no_group(
         sock.settimeout(5)
         assert sock.recv(1 << 16) == b""
         sock.close()
+
+
+def test_each_connect_of_a_dial_has_its_own_bound(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Five sockets at 0.3 s each (a long round trip) outlast one 1 s bound for all of them.
+    real_open = client_module.open_socket
+
+    async def slow_open(host: str, port: int) -> socket.socket:
+        await anyio.sleep(0.3)
+        return await real_open(host, port)
+
+    monkeypatch.setattr(client_module, "open_socket", slow_open)
+    monkeypatch.setattr(client_module, "DIAL_TIMEOUT_S", 1.0)
+    client = start_client(make_client, syncer.port, num_streams=4, connect_timeout=10)
+    group = syncer.accept_group(4)
+    assert isinstance(next_item(client), GroupUp)
+    group.close()
 
 
 def test_a_pending_connect_does_not_overrun_connect_timeout(

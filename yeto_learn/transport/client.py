@@ -61,7 +61,7 @@ from .group import RECV_BUFFER_SIZE, ConnectionGroup, Counters, open_socket
 HEARTBEAT_INTERVAL_S = 1.0
 _log = logging.getLogger("yeto_learn")
 
-#: Bound on one dial (TCP connects and queuing the hellos) before it counts as failed.
+#: Bound on each TCP connect of a dial before the dial counts as failed.
 DIAL_TIMEOUT_S = 10.0
 #: The least a dial gets once the connect or reconnect deadline has (nearly) passed.
 DIAL_FLOOR_S = 0.25
@@ -387,16 +387,16 @@ class SyncerClient:
         self.generations.append(generation)
         hello = replace(self._hello, generation=generation)
         sockets: list[socket.socket] = []
+        dial_end = max(give_up_at, time.monotonic() + DIAL_FLOOR_S)
         try:
-            left = max(give_up_at - time.monotonic(), DIAL_FLOOR_S)
-            with (
-                anyio.CancelScope() as self._dial_scope,
-                anyio.fail_after(min(DIAL_TIMEOUT_S, left)),
-            ):
+            with anyio.CancelScope() as self._dial_scope:
                 if self._stop.is_set():
                     self._dial_scope.cancel()
                 for _ in range(1 + cfg.num_streams):
-                    sockets.append(await open_socket(cfg.host, cfg.port))
+                    # A bound per connect: a group opens in 1 + S round trips, so one bound
+                    # for them all refused many streams over a long round trip.
+                    with anyio.fail_after(min(DIAL_TIMEOUT_S, dial_end - time.monotonic())):
+                        sockets.append(await open_socket(cfg.host, cfg.port))
         except BaseException:
             for sock in sockets:
                 sock.close()
