@@ -13,11 +13,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
 import numpy as np
 import pytest
+import torch
 from syncer_process import free_port
 from test_learner_client import (
     HELLO,
@@ -30,7 +32,7 @@ from test_learner_client import (
     tiny_model,
 )
 
-from yeto_learn import FinishTimeout, Learner, SyncerSilent, SyncerUnreachable
+from yeto_learn import FinishTimeout, Learner, LearnerError, SyncerSilent, SyncerUnreachable
 from yeto_learn.transport import (
     ClientConfig,
     ClientFailed,
@@ -48,6 +50,8 @@ from yeto_proto import (
     AnyMessage,
     BcastFragment,
     FinalAck,
+    FinalFragment,
+    FinalManifest,
     FrameType,
     Limits,
     MergeMode,
@@ -483,6 +487,54 @@ def test_a_start_whose_model_stops_arriving_says_how_far_it_got(syncer: Scripted
         serving.join(10)
         for group in groups:
             group.close()
+
+
+def test_a_finish_whose_shutdown_never_comes_keeps_the_applied_final_state(
+    syncer: ScriptedSyncer, tmp_path: Path
+) -> None:
+    out_dir = tmp_path / "learner-1"
+    learner, group = started_learner(syncer, out_dir=out_dir, reconnect_timeout=1.0)
+    numels = group.hello.layout.numels
+
+    def cut_then_vanish() -> None:
+        """The final cut, then, after the learner's ACK, no SHUTDOWN: the syncer is gone."""
+        for fragment, numel in enumerate(numels):
+            final = np.full(numel, 5.0, "<f4").view(np.uint8).data
+            group.control.send(FinalFragment(fragment, 0, final))
+        group.control.send(FinalManifest(7, (0,) * len(numels)))
+        while not isinstance(group.control.read(10), FinalAck):
+            pass
+        group.close()
+        syncer.close()
+
+    vanishing = threading.Thread(target=cut_then_vanish)
+    vanishing.start()
+    try:
+        with pytest.raises(LearnerError) as raised:
+            learner.finish(timeout=30)
+    finally:
+        vanishing.join(10)
+        learner.close()
+    assert learner.final_global_step == 7
+    notes = getattr(raised.value, "__notes__", [])
+    assert any("global step 7 was applied and saved" in note for note in notes), notes
+    state = torch.load(out_dir / "model.pt")
+    assert all(bool((tensor == 5.0).all()) for tensor in state.values())
+
+
+def test_a_finish_without_the_final_cut_saves_nothing(
+    syncer: ScriptedSyncer, tmp_path: Path
+) -> None:
+    out_dir = tmp_path / "learner-1"
+    learner, group = started_learner(syncer, out_dir=out_dir, reconnect_timeout=1.0)
+    group.close()
+    syncer.close()
+    try:
+        with pytest.raises(LearnerError):
+            learner.finish(timeout=30)
+    finally:
+        learner.close()
+    assert not (out_dir / "model.pt").exists()
 
 
 def test_a_frozen_learner_reports_on_the_group_it_learns_of_and_pushes_nothing_there(

@@ -587,8 +587,10 @@ class Learner:
 
         Keeps answering pulls meanwhile. Raises :class:`FinishTimeout` if the syncer's final
         cut (or its SHUTDOWN after our ACK) does not arrive within ``timeout`` seconds
-        (default ``finish_timeout``); nothing local is ever saved in its place. The learner
-        stays usable after that timeout: call ``finish()`` again to wait longer, or ``close()``.
+        (default ``finish_timeout``); nothing local is ever saved in place of a missing cut.
+        A cut that was applied is saved even when ``finish`` then fails (the syncer stopped or
+        fell silent before its SHUTDOWN): the error's note names the file. The learner stays
+        usable after that timeout: call ``finish()`` again to wait longer, or ``close()``.
         An artifact that cannot be written (a full disk) raises :class:`LearnerError` naming
         the file, after the final state was applied and acknowledged.
         """
@@ -599,17 +601,21 @@ class Learner:
                 self.report_budget()
             limit = self.finish_timeout if timeout is None else timeout
             deadline = time.monotonic() + limit
-            self._service_until(
-                lambda: self._shutdown,
-                deadline,
-                lambda: FinishTimeout(
-                    f"the syncer at {self.syncer_address} did not complete finalization "
-                    f"within {limit:g} s (final state "
-                    f"{'applied' if self.final_global_step else 'missing'})"
-                    + self._starved_pulls_note()
-                ),
-                finishing=True,
-            )
+            try:
+                self._service_until(
+                    lambda: self._shutdown,
+                    deadline,
+                    lambda: FinishTimeout(
+                        f"the syncer at {self.syncer_address} did not complete finalization "
+                        f"within {limit:g} s (final state "
+                        f"{'applied' if self.final_global_step else 'missing'})"
+                        + self._starved_pulls_note()
+                    ),
+                    finishing=True,
+                )
+            except LearnerError as exc:
+                self._keep_applied_final_state(exc)
+                raise
             self._finished = True
             if self.is_leader:
                 self._close_client()
@@ -924,6 +930,25 @@ class Learner:
         if self._client is not None and not self._client_closed:
             self._client_closed = True
             self._client.close()
+
+    def _keep_applied_final_state(self, exc: LearnerError) -> None:
+        """``finish`` failed after the final cut was applied (its SHUTDOWN never came: the
+        syncer fell silent or stopped while it waited for another learner's ACK): the
+        parameters hold the syncer's final state all the same, so the artifact is saved, and
+        the error says so. Nothing is saved without the cut (spec/learner.md § 7 item 7)."""
+        if self.final_global_step is None or not self.is_leader or self.out_dir is None:
+            return
+        try:
+            self._save_artifact()
+        except LearnerError as failed:
+            exc.add_note(f"the applied final state could not be saved either: {failed}")
+            return
+        note = (
+            f"the final state of global step {self.final_global_step} was applied and saved "
+            f"to {self.out_dir / STATE_FILE}; the syncer never confirmed the run complete"
+        )
+        exc.add_note(note)
+        _log.warning("%s (%s)", note, exc)
 
     def _save_artifact(self) -> None:
         """The learner-owned artifact: layout JSON, a summary and the state dict, each atomic.
