@@ -8,6 +8,7 @@ The last tests build a torch ``Learner`` against bad targets and a real yeto-syn
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -293,6 +294,26 @@ def test_a_lost_group_is_redialed_after_a_second_with_a_fresh_generation(
     client.send(2, Heartbeat(3, 77))
     assert second.control.read() == Heartbeat(3, 77)
     first.close()
+    second.close()
+
+
+def test_losing_a_working_group_and_getting_back_are_logged(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="yeto_learn")
+    client, first = open_group(make_client, syncer, 0, heartbeat_interval=60)
+    first.control.send(PullReq(fragment_id=0, global_step=1, round_attempt=0))
+    assert isinstance(next_item(client), Received)
+    first.close()
+    assert isinstance(next_item(client), GroupLost)
+    second = syncer.accept_group(0)
+    assert isinstance(next_item(client), GroupUp)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any(m.startswith(f"lost the syncer at 127.0.0.1:{syncer.port}") for m in messages)
+    generation = second.hello.generation
+    assert f"reconnected to the syncer at 127.0.0.1:{syncer.port} (generation {generation})" in (
+        messages
+    )
     second.close()
 
 

@@ -354,6 +354,14 @@ class SyncerClient:
                 self._ever_served = True
                 delays = 0
                 give_up_at = time.monotonic() + cfg.reconnect_timeout
+                # Training goes on meanwhile: without a word here only the generation count
+                # would show that the learner was cut off.
+                _log.warning(
+                    "lost the syncer at %s (%s); redialing for up to %g s",
+                    cfg.address,
+                    reason,
+                    cfg.reconnect_timeout,
+                )
             elif time.monotonic() >= give_up_at:
                 self._fail(self.unreachable())
                 return
@@ -435,6 +443,12 @@ class SyncerClient:
         epoch = self._epoch
         self._group = group
         self._post(GroupUp(epoch, self.generations[-1], self.config.num_streams))
+        if self._ever_served:
+            _log.warning(
+                "reconnected to the syncer at %s (generation %d)",
+                self.config.address,
+                self.generations[-1],
+            )
         self._dispatch_outbox()  # anything queued meanwhile belongs to an older epoch
         violation: ProtocolError | None = None
         try:
