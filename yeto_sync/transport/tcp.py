@@ -762,12 +762,19 @@ class TcpTransport:
         return True
 
     def _drop_stalled(self, conn: ConnId, what: str) -> None:
-        """A socket whose peer stopped reading: say which one, then drop its group."""
+        """A socket whose peer took nothing for the stall timeout: say which one, then drop its
+        group (once: the group's other sockets stall too, and their group is gone by then)."""
         fields = self.groups.socket_fields(conn)
         where = fields.get("socket", "socket")
         reason = f"send stalled: {what} for {self.stall_timeout:g} s on {where} (conn {conn})"
-        fields.update(stall_timeout_s=self.stall_timeout, why=what)
-        self._log("warning", "a learner stopped reading: its group is dropped", fields)
+        if "learner_id" in fields:
+            fields.update(stall_timeout_s=self.stall_timeout, why=what)
+            self._log(
+                "warning",
+                "a learner took no bytes (it stopped reading, or its network went silent): "
+                "its group is dropped",
+                fields,
+            )
         self._apply(self.groups.lost(conn, reason))
 
     def prefers_streaming(self) -> bool:
