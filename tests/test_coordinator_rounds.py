@@ -184,6 +184,29 @@ def test_quorum_then_full_grace_cap_without_an_estimate() -> None:
     assert sim.tape[-1]["code"] == ErrorCode.PUSH_OUT_OF_ROUND.value
 
 
+def test_a_learner_left_out_of_every_merge_is_warned_about_once() -> None:
+    # Under --quorum 1 the nearer learner commits each round; the farther one's PUSHes come
+    # after the commit, every time. Its rejections are info lines; the third in a row warns.
+    sim = Sim(SyncerConfig(learners=2, total_steps=6, quorum=1, pipeline=1), LAYOUT3)
+    near, far = sim.start(auto=False)
+    for step in range(1, 6):
+        while (pull := sim.sends_to(near.key, PullReq)[-1]).global_step < step:
+            sim.advance(0.5)  # the launch waits for its pacing
+        sim.message(near.key, near.push_for(pull))
+        sim.advance(1.0)  # the grace cap passes: round `step` commits with `near` alone
+        sim.message(far.key, far.push_for(pull))
+        assert sim.tape[-1]["code"] == ErrorCode.PUSH_OUT_OF_ROUND.value
+        warned = [
+            log
+            for log in sim.of_type(Log)
+            if log.text.startswith("a learner's last 3 PUSHes arrived after their rounds")
+        ]
+        assert len(warned) == (1 if step >= 3 else 0)
+    (warning,) = warned
+    assert warning.level == "warning"
+    assert warning.fields["learner_id"] == 1 and warning.fields["quorum"] == 1
+
+
 def test_all_captured_answered_completes_at_once() -> None:
     sim = Sim(SyncerConfig(learners=2, total_steps=3, quorum=1, pipeline=1), LAYOUT3)
     a, b = sim.start(auto=False)

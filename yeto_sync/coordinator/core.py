@@ -101,6 +101,10 @@ from .tensors import (
 EXIT_OK = 0
 EXIT_FAILURE = 1
 
+#: PUSHes of one learner in a row that arrive after their round committed before the syncer
+#: warns that the learner contributes nothing (its link is slower than the quorum lets wait).
+LATE_PUSH_WARNING = 3
+
 LAUNCH_TIMER = "launch"
 FINAL_ACK_TIMER = "final-ack"
 
@@ -182,6 +186,8 @@ class Coordinator:
         #: The initial broadcast went out and rounds may launch.
         self._started = False
         self._next_step = 1
+        #: Per learner id: PUSHes in a row that came after their round committed.
+        self._late_pushes: dict[int, int] = {}
         #: Launched, not yet committed rounds, in ascending t.
         self._rounds: dict[int, Round] = {}
         self._last_launch_at: float | None = None
@@ -478,6 +484,28 @@ class Coordinator:
             self._step_times.observe(key.learner_id, beat.local_step, now)
             self._pacing_changed = True
 
+    def _count_late(self, key: GroupKey, push: PushFragment, late: bool, out: list[Action]) -> None:
+        """Warn once when a learner's PUSHes keep arriving after their rounds committed: under
+        a small ``--quorum`` a learner on a slower link than the others is otherwise left out
+        of every merge with nothing but rejections (info lines) to show for it."""
+        count = self._late_pushes.get(key.learner_id, 0) + 1 if late else 0
+        self._late_pushes[key.learner_id] = count
+        if count == LATE_PUSH_WARNING:
+            out.append(
+                Log(
+                    "warning",
+                    f"a learner's last {LATE_PUSH_WARNING} PUSHes arrived after their rounds "
+                    "had committed, so none was merged: under --quorum K a learner slower "
+                    "than the first K to answer is left out (--quorum M waits for all)",
+                    {
+                        **_member_fields(key),
+                        "late_pushes": count,
+                        "step": push.global_step,
+                        "quorum": self.config.quorum,
+                    },
+                )
+            )
+
     def _on_push(
         self,
         key: GroupKey,
@@ -501,6 +529,9 @@ class Coordinator:
             if target is None
             else target.judge(push, key, self.config.max_base_lag)
         )
+        # No round of that step in flight, but one was launched: it has committed.
+        late = target is None and push.global_step < self._next_step
+        self._count_late(key, push, late, out)
         if rejection is not None:
             out.append(AppendTape(tape.rejection_record(push, key, rejection)))
             out.append(
