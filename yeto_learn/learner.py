@@ -501,7 +501,8 @@ class Learner:
             )
         return SyncerSilent(
             f"no session started with the syncer at {self.syncer_address}: nothing moved for "
-            f"{quiet:g} s; is it a yeto-sync, and did all {self.num_learners} learners join?"
+            f"{quiet:g} s; is it a yeto-sync, did all {self.num_learners} learners join, and "
+            "has learner 0 finished sending the initial model?"
         )
 
     # -- the training loop's API -----------------------------------------------------------

@@ -8,18 +8,24 @@ a learner whose syncer fell silent trains on alone. The syncer and the learner s
 socket:
 
 - ``TCP_USER_TIMEOUT``: data the peer has not acknowledged for ``timeout_s`` fails the
-  connection (``ETIMEDOUT``), the same bound as a send that makes no progress;
+  connection (``ETIMEDOUT``);
 - keepalive probes after :data:`KEEPALIVE_IDLE_S` of quiet, so an idle connection to a
-  silent peer fails within about ``timeout_s`` too.
+  silent peer fails in about ``timeout_s`` too.
 
-A live peer's kernel acknowledges data and probes even while its program is busy, so only
-silence of the network itself trips either. Options the platform lacks are skipped.
+A live peer's kernel acknowledges data and probes whatever its program is doing, with one
+exception: Linux also ends a connection whose peer keeps its receive window shut (reads
+nothing) for ``timeout_s``. The callers therefore pass twice their own send-stall bound, so
+that a program's own, better informed stall rule decides first wherever it applies.
+Options the platform lacks or refuses are skipped: the bound is a help, not a requirement.
 """
 
 from __future__ import annotations
 
+import math
 import socket
 
+#: The silence bound as a multiple of the caller's send-stall bound (see the module docstring).
+SILENCE_FACTOR = 2.0
 #: Quiet before the first keepalive probe, and between probes.
 KEEPALIVE_IDLE_S = 15
 KEEPALIVE_INTERVAL_S = 5
@@ -27,16 +33,22 @@ KEEPALIVE_INTERVAL_S = 5
 
 def bound_silence(sock: socket.socket, timeout_s: float) -> None:
     """Make ``sock`` fail once its peer has been silent for about ``timeout_s`` seconds."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if not math.isfinite(timeout_s) or timeout_s <= 0:
+        return  # no bound asked for
     idle = max(1, min(KEEPALIVE_IDLE_S, int(timeout_s / 4)))
     interval = max(1, min(KEEPALIVE_INTERVAL_S, int(timeout_s / 12)))
     probes = max(1, int((timeout_s - idle) / interval))
-    for name, value in (
-        ("TCP_USER_TIMEOUT", int(timeout_s * 1000)),
-        ("TCP_KEEPIDLE", idle),
-        ("TCP_KEEPINTVL", interval),
-        ("TCP_KEEPCNT", probes),
-    ):
-        option = getattr(socket, name, None)
-        if option is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+    options = [
+        (socket.SOL_SOCKET, getattr(socket, "SO_KEEPALIVE", None), 1),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_USER_TIMEOUT", None), int(timeout_s * 1000)),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPIDLE", None), idle),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPINTVL", None), interval),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPCNT", None), probes),
+    ]
+    for level, option, value in options:
+        if option is None:
+            continue
+        try:
+            sock.setsockopt(level, option, value)
+        except OSError:  # e.g. ENOPROTOOPT in a sandboxed network stack
+            continue

@@ -45,7 +45,7 @@ from yeto_proto import (
 from yeto_proto.constants import CHUNK_SLICE_SIZE, STRIPED_TYPES
 from yeto_proto.frames import Buffers, OutgoingBuffers, frame_length
 from yeto_sync.receive_watermark import READ_WATERMARK_CAP, ReceiveWatermark
-from yeto_sync.socket_liveness import bound_silence
+from yeto_sync.socket_liveness import SILENCE_FACTOR, bound_silence
 
 RECV_BUFFER_SIZE = 1 << 20
 _CONNECT_PENDING = (errno.EINPROGRESS, errno.EALREADY, errno.EAGAIN, errno.EWOULDBLOCK)
@@ -122,7 +122,7 @@ async def open_socket(host: str, port: int) -> socket.socket:
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            bound_silence(sock, SEND_STALL_TIMEOUT_S)
+            bound_silence(sock, SILENCE_FACTOR * SEND_STALL_TIMEOUT_S)
             code = sock.connect_ex(address)
             if code not in (0, *_CONNECT_PENDING):
                 raise OSError(code, os.strerror(code))

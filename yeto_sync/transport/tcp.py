@@ -59,7 +59,7 @@ from yeto_proto.frames import Buffers, OutgoingBuffers
 from ..events import ConnId, Event, GroupKey
 from ..payload_progress import PayloadProgress, PayloadWithdrawn
 from ..receive_watermark import READ_WATERMARK_CAP, ReceiveWatermark
-from ..socket_liveness import bound_silence
+from ..socket_liveness import SILENCE_FACTOR, bound_silence
 from . import Clock
 from .group import (
     HELLO_TURN_POLL_S,
@@ -607,7 +607,7 @@ class TcpTransport:
             backoff = 0.0
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            bound_silence(sock, self.stall_timeout)
+            bound_silence(sock, SILENCE_FACTOR * self.stall_timeout)
             conn, self._next_conn = self._next_conn, self._next_conn + 1
             peer = _Peer(conn, sock, _address_text(address), SendQueue(self.send_queue_bytes))
             self._peers[conn] = peer
