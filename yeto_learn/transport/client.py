@@ -442,13 +442,13 @@ class SyncerClient:
         self._epoch += 1
         epoch = self._epoch
         self._group = group
-        self._post(GroupUp(epoch, self.generations[-1], self.config.num_streams))
-        if self._ever_served:
+        if self._ever_served:  # before GroupUp: whoever sees the group up finds the line
             _log.warning(
                 "reconnected to the syncer at %s (generation %d)",
                 self.config.address,
                 self.generations[-1],
             )
+        self._post(GroupUp(epoch, self.generations[-1], self.config.num_streams))
         self._dispatch_outbox()  # anything queued meanwhile belongs to an older epoch
         violation: ProtocolError | None = None
         try:

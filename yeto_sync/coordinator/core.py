@@ -485,26 +485,37 @@ class Coordinator:
             self._pacing_changed = True
 
     def _count_late(self, key: GroupKey, push: PushFragment, late: bool, out: list[Action]) -> None:
-        """Warn once when a learner's PUSHes keep arriving after their rounds committed: under
-        a small ``--quorum`` a learner on a slower link than the others is otherwise left out
-        of every merge with nothing but rejections (info lines) to show for it."""
-        count = self._late_pushes.get(key.learner_id, 0) + 1 if late else 0
+        """Warn when a learner's PUSHes keep arriving after their rounds committed: under a
+        small ``--quorum`` a learner on a slower link than the others is otherwise left out of
+        every merge with nothing but rejections (info lines) to show for it. Counts late
+        PUSHes since the learner's last accepted one (:meth:`_on_push` clears it)."""
+        if not late:
+            return
+        count = self._late_pushes.get(key.learner_id, 0) + 1
         self._late_pushes[key.learner_id] = count
-        if count == LATE_PUSH_WARNING:
-            out.append(
-                Log(
-                    "warning",
-                    f"a learner's last {LATE_PUSH_WARNING} PUSHes arrived after their rounds "
-                    "had committed, so none was merged: under --quorum K a learner slower "
-                    "than the first K to answer is left out (--quorum M waits for all)",
-                    {
-                        **_member_fields(key),
-                        "late_pushes": count,
-                        "step": push.global_step,
-                        "quorum": self.config.quorum,
-                    },
-                )
+        if count % LATE_PUSH_WARNING:
+            return
+        advice = (
+            f"under --quorum {self.config.quorum} a learner slower than the first "
+            f"{self.config.quorum} to answer is left out (--quorum {self.config.learners} "
+            "waits for all)"
+            if self.config.quorum < self.config.learners
+            else "its rounds committed without it after a quorum timeout or a reconnect"
+        )
+        out.append(
+            Log(
+                "warning",
+                f"a learner's PUSHes keep arriving after their rounds committed, so none of "
+                f"them was merged: {advice}",
+                {
+                    **_member_fields(key),
+                    "late_pushes": count,
+                    "step": push.global_step,
+                    "quorum": self.config.quorum,
+                },
+                throttled=True,
             )
+        )
 
     def _on_push(
         self,
@@ -565,6 +576,7 @@ class Coordinator:
                 key, Refusal(exc.code, f"PUSH for round {push.global_step}: {exc.detail}"), out
             )
             return
+        self._late_pushes.pop(key.learner_id, None)  # merged again: the late count restarts
         response = Response(key.learner_id, key.generation, push.c_steps, push.c_tokens, pushed)
         staleness = target.launch_version - push.base_version
         target.accept(Accepted(response, push.base_version, staleness, now), key)
