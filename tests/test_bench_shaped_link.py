@@ -19,6 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+from namespace_pair import start_pair  # noqa: E402
 from shaped_link import (  # noqa: E402
     enter_namespace,
     shaped_links,
@@ -47,20 +48,11 @@ def _namespaces() -> set[str]:
 
 
 def test_a_learner_reaches_the_hub_at_the_shaped_rate_and_everything_goes_on_exit() -> None:
-    spawn = multiprocessing.get_context("spawn")
     with shaped_links(1, RATE) as links:
         assert {links.hub, *links.learners} <= _namespaces()
-        # The hub's side runs in a thread of a spawned process too: only a thread that enters
-        # the namespace sees its addresses.
-        ready, results = spawn.Pipe()
-        receiver = spawn.Process(target=_hub_receiver, args=(links.hub, ready))
-        receiver.start()
-        port = results.recv()
-        parent, child = spawn.Pipe()
-        sender = spawn.Process(
-            target=_sender, args=(links.learner_namespace(0), links.hub_address(0), port, child)
-        )
-        sender.start()
+        # The hub's side runs in a spawned process too: only a thread that enters the
+        # namespace sees its addresses.
+        receiver, results, sender, parent = start_pair(links, _hub_receiver, (), _sender)
         assert parent.poll(30), "no transfer over the shaped link"
         seconds = parent.recv()
         received = results.recv()

@@ -9,7 +9,6 @@ cannot be made (not root, no iproute2).
 from __future__ import annotations
 
 import errno
-import multiprocessing
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from yeto_sync.socket_liveness import bound_silence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+from namespace_pair import start_pair  # noqa: E402
 from shaped_link import enter_namespace, shaped_links, shaped_links_available  # noqa: E402
 
 WHY_NOT = shaped_links_available()
@@ -72,17 +72,8 @@ def _peer(namespace: str, host: str, port: int, pipe: Connection) -> None:
 
 
 def _cut_and_watch(bounded: bool, send_first: bool) -> tuple[str, float]:
-    spawn = multiprocessing.get_context("spawn")
     with shaped_links(1, 1e9) as links:
-        hub_pipe, hub_end = spawn.Pipe()
-        hub = spawn.Process(target=_hub, args=(links.hub, bounded, send_first, hub_end))
-        hub.start()
-        port = hub_pipe.recv()
-        peer_pipe, peer_end = spawn.Pipe()
-        peer = spawn.Process(
-            target=_peer, args=(links.learner_namespace(0), links.hub_address(0), port, peer_end)
-        )
-        peer.start()
+        hub, hub_pipe, peer, peer_pipe = start_pair(links, _hub, (bounded, send_first), _peer)
         try:
             assert peer_pipe.poll(15) and peer_pipe.recv() == "connected"
             # The far end goes down: the hub's packets vanish, nothing comes back.
