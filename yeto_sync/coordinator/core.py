@@ -101,8 +101,8 @@ from .tensors import (
 EXIT_OK = 0
 EXIT_FAILURE = 1
 
-#: PUSHes of one learner in a row that arrive after their round committed before the syncer
-#: warns that the learner contributes nothing (its link is slower than the quorum lets wait).
+#: The syncer warns at every this many PUSHes of one learner that arrived after their round
+#: committed since its last merged one (its link is slower than the quorum lets wait).
 LATE_PUSH_WARNING = 3
 
 LAUNCH_TIMER = "launch"
@@ -186,7 +186,7 @@ class Coordinator:
         #: The initial broadcast went out and rounds may launch.
         self._started = False
         self._next_step = 1
-        #: Per learner id: PUSHes in a row that came after their round committed.
+        #: Per learner id: PUSHes that came after their round committed, since its last merged one.
         self._late_pushes: dict[int, int] = {}
         #: Launched, not yet committed rounds, in ascending t.
         self._rounds: dict[int, Round] = {}
@@ -484,13 +484,11 @@ class Coordinator:
             self._step_times.observe(key.learner_id, beat.local_step, now)
             self._pacing_changed = True
 
-    def _count_late(self, key: GroupKey, push: PushFragment, late: bool, out: list[Action]) -> None:
-        """Warn when a learner's PUSHes keep arriving after their rounds committed: under a
-        small ``--quorum`` a learner on a slower link than the others is otherwise left out of
-        every merge with nothing but rejections (info lines) to show for it. Counts late
-        PUSHes since the learner's last accepted one (:meth:`_on_push` clears it)."""
-        if not late:
-            return
+    def _count_late(self, key: GroupKey, push: PushFragment, out: list[Action]) -> None:
+        """Count a PUSH that came after its round committed, and warn when they keep coming:
+        under a small ``--quorum`` a learner on a slower link than the others is otherwise
+        left out of every merge with nothing but rejections (info lines) to show for it.
+        Counts since the learner's last accepted PUSH (:meth:`_on_push` clears it)."""
         count = self._late_pushes.get(key.learner_id, 0) + 1
         self._late_pushes[key.learner_id] = count
         if count % LATE_PUSH_WARNING:
@@ -540,9 +538,8 @@ class Coordinator:
             if target is None
             else target.judge(push, key, self.config.max_base_lag)
         )
-        # No round of that step in flight, but one was launched: it has committed.
-        late = target is None and push.global_step < self._next_step
-        self._count_late(key, push, late, out)
+        if target is None and push.global_step < self._next_step:
+            self._count_late(key, push, out)  # launched, no longer in flight: it committed
         if rejection is not None:
             out.append(AppendTape(tape.rejection_record(push, key, rejection)))
             out.append(
