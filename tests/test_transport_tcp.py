@@ -63,6 +63,7 @@ from yeto_sync.transport.tcp import (
     WRITE_TURN_BYTES,
     Outgoing,
     SendQueue,
+    SendStalled,
     TcpTransport,
     _Peer,
 )
@@ -437,6 +438,69 @@ def test_a_peer_that_stops_reading_is_dropped_and_others_carry_on() -> None:
         r"(stream 0|data stream 0) \(conn \d+\)",
         stuck_closed.reason,
     ), stuck_closed.reason
+
+
+@pytest.mark.parametrize("reader_stops_after", [None, 256 << 10])
+def test_a_full_queue_waits_while_its_socket_takes_bytes(reader_stops_after: int | None) -> None:
+    """A frame queued behind one that takes longer than the stall timeout to leave (a large
+    BCAST over a slow link) waits for it; only a socket that takes nothing is stalled."""
+    stall = 0.2
+    frame_bytes = 2 << 20  # about 0.65 s each at the reader's pace: several stall timeouts
+    frames = 3  # the third waits for room until the whole first one has left
+    queued: list[bool | None] = []
+    read = [0]
+    waited: list[float] = []
+
+    async def scenario() -> None:
+        groups = ConnectionGroups(2)
+        async with TcpTransport.serve(
+            groups, MonotonicClock(), "127.0.0.1", 0, stall_timeout=stall
+        ) as tcp:
+            ours, theirs = socket.socketpair()
+            ours.setblocking(False)
+            theirs.setblocking(False)
+            peer = _Peer(1, ours, "test peer", SendQueue(1 << 20))
+
+            async def write() -> None:
+                with contextlib.suppress(SendStalled):
+                    while (frame := await peer.queue.get()) is not None:
+                        await tcp._write_frame(ours, frame, peer)
+                    ours.shutdown(socket.SHUT_WR)
+
+            async def read_slowly() -> None:
+                while reader_stops_after is None or read[0] < reader_stops_after:
+                    await anyio.wait_readable(theirs)
+                    data = theirs.recv(32 << 10)
+                    if not data:
+                        return
+                    read[0] += len(data)
+                    await anyio.sleep(0.01)
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(write)
+                tasks.start_soon(read_slowly)
+                started = time.monotonic()
+                for _ in range(frames):
+                    frame = Outgoing([memoryview(bytes(frame_bytes))])
+                    queued.append(await tcp._put_while_draining(peer, frame, frame_bytes))
+                    if queued[-1] is None:
+                        break
+                waited.append(time.monotonic() - started)
+                if reader_stops_after is None:
+                    peer.queue.close(discard=False)
+                else:
+                    tasks.cancel_scope.cancel()
+            ours.close()
+            theirs.close()
+
+    run(scenario)
+    if reader_stops_after is None:
+        assert queued == [True] * frames
+        assert read == [frames * frame_bytes]
+        assert waited[0] > 2 * stall  # so the last frame did wait longer than the stall timeout
+    else:
+        assert queued == [True, True, None]
+        assert waited[0] < 10 * stall
 
 
 def test_a_flood_of_small_frames_never_queues_more_events_than_the_backlog_cap() -> None:

@@ -20,7 +20,8 @@ Every wait is bounded:
 - the driver's ``send`` never waits for a learner: it appends to the group's outbox, where a
   newer BCAST of a fragment replaces one not queued yet; the group's own task cuts messages into
   frames for per-socket send queues of at most ``send_queue_bytes`` and waits for room
-  (backpressure) at most ``stall_timeout`` seconds, then drops that group;
+  (backpressure) as long as the socket keeps taking bytes, dropping that group once it took
+  none for ``stall_timeout`` seconds;
 - at most ``MAX_EVENT_BACKLOG`` events wait for the driver: frames past it wait, decoded, in
   their socket, which reads nothing more (TCP pushes back on the peer) until they are handed on;
 - a closing socket sends its last frame (an ERROR, say), half-closes and lingers at most
@@ -218,6 +219,9 @@ class _Peer:
     hung_up: bool = False
     #: Log fields naming the socket (its group, for a member), kept from its hangup.
     known_as: dict[str, object] = field(default_factory=dict)
+    #: Bytes the socket took so far: a full queue in front of a socket that still takes bytes
+    #: is a slow link, not a stalled peer.
+    bytes_written: int = 0
 
 
 class _HangupWatch:
@@ -515,14 +519,29 @@ class TcpTransport:
             if peer is None:
                 continue
             frame = Outgoing(transmit.buffers, transmit.writable, transmit.progress)
-            with anyio.move_on_after(self.stall_timeout) as waited:
-                queued = await peer.queue.put(frame, transmit.size)
-            if waited.cancelled_caught:
+            queued = await self._put_while_draining(peer, frame, transmit.size)
+            if queued is None:
                 self._drop_stalled(transmit.conn, "its send queue stayed full")
                 return False
             if not queued:
                 return False  # the group closed while we waited
         return True
+
+    async def _put_while_draining(self, peer: _Peer, frame: Outgoing, size: int) -> bool | None:
+        """Wait for room in ``peer``'s queue for as long as its socket keeps taking bytes;
+        ``None`` once it took none for the stall timeout (else as :meth:`SendQueue.put`).
+
+        One frame can take minutes on a slow link (32 MiB at 3 Mbit/s: ~90 s): the frame
+        behind it must not count that as a stall.
+        """
+        while True:
+            written = peer.bytes_written
+            with anyio.move_on_after(self.stall_timeout) as waited:
+                queued = await peer.queue.put(frame, size)
+            if not waited.cancelled_caught:
+                return queued
+            if peer.bytes_written == written:
+                return None
 
     async def shutdown(self, grace: float) -> None:
         """Stop accepting, let queued frames drain, then cut the rest: in ``grace`` seconds
@@ -744,7 +763,7 @@ class TcpTransport:
                     peer.frame_scope = scope
                     if self._hard_stop:
                         scope.cancel()
-                    await self._write_frame(peer.sock, frame)
+                    await self._write_frame(peer.sock, frame, peer)
                 peer.frame_scope = None
                 if scope.cancelled_caught:
                     return False
@@ -781,7 +800,9 @@ class TcpTransport:
         """Whether a commit should stream its BCAST: some learner's link is slow lately."""
         return self.link_pace.slow
 
-    async def _write_frame(self, sock: socket.socket, frame: Outgoing) -> None:
+    async def _write_frame(
+        self, sock: socket.socket, frame: Outgoing, peer: _Peer | None = None
+    ) -> None:
         pending = OutgoingBuffers(frame.buffers, IOV_BATCH)
         written = 0
         started = time.monotonic()
@@ -811,6 +832,8 @@ class TcpTransport:
                 continue
             pending.advance(sent)
             written += sent
+            if peer is not None:
+                peer.bytes_written += sent
             if sent >= WRITE_TURN_BYTES:
                 # A socket whose peer keeps up (loopback, a fast LAN) would otherwise take
                 # every queued frame in one go while the other learners' sockets wait: one
