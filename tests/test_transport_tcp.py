@@ -4,6 +4,7 @@ learner's plain-socket group in a worker thread."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import select
@@ -685,6 +686,42 @@ def test_an_eof_behind_a_full_backlog_still_closes_the_group() -> None:
 
     closed = [e.group for e in run_and_return(scenario()) if isinstance(e, GroupClosed)]
     assert GroupKey(1, 1) in closed
+
+
+@pytest.mark.parametrize("code, warned", [(errno.ETIMEDOUT, True), (errno.ECONNRESET, False)])
+def test_a_connection_the_kernel_ended_as_silent_is_a_warning(code: int, warned: bool) -> None:
+    # The silence bound (spec/syncer.md § 5) ends a connection with ETIMEDOUT on its next read
+    # or write; "group closed" at info level was the only trace of a learner gone silent.
+    lines: list[tuple[str, str, dict[str, object]]] = []
+
+    def log(level: str, text: str, fields: Mapping[str, object]) -> None:
+        lines.append((level, text, dict(fields)))
+
+    async def scenario() -> list[Event]:
+        clock = MonotonicClock()
+        async with TcpTransport.serve(
+            ConnectionGroups(2), clock, "127.0.0.1", 0, stall_timeout=3.0, log=log
+        ) as transport:
+            learner = socket.create_connection(transport.address)
+            learner.sendall(hello_bytes(0))
+            event = await transport.next_event(clock.now() + 5)
+            assert isinstance(event, HelloReceived)
+            transport.admit(event.conn, KEY, 0, Limits.of(WireDtype.F32, LAYOUT))
+            transport._socket_failed(event.conn, "receive", OSError(code, os.strerror(code)))
+            events = await events_until_quiet(transport, quiet=0.5)
+            learner.close()
+            return events
+
+    closed = [e for e in run_and_return(scenario()) if isinstance(e, GroupClosed)]
+    assert [e.group for e in closed] == [KEY]
+    assert closed[0].reason == f"receive failed: [Errno {code}] {os.strerror(code)}"
+    warnings = [(text, fields) for level, text, fields in lines if level == "warning"]
+    if warned:
+        ((text, fields),) = warnings
+        assert text.startswith("a learner's connection went silent")
+        assert fields["learner_id"] == 0 and fields["silence_bound_s"] == 6.0
+    else:
+        assert not warnings
 
 
 def test_exit_flushes_queued_frames_before_closing() -> None:

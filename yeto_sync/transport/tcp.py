@@ -719,7 +719,7 @@ class TcpTransport:
                     await anyio.wait_readable(sock)
                     continue
                 except OSError as exc:
-                    self._apply(self.groups.lost(conn, f"receive failed: {exc}"))
+                    self._socket_failed(conn, "receive", exc)
                     return
                 if direct and size:
                     self._apply(self.groups.receive_direct(conn, size, self.clock.now()))
@@ -767,18 +767,32 @@ class TcpTransport:
                 peer.frame_scope = None
                 if scope.cancelled_caught:
                     return False
-        except (OSError, SendStalled, PayloadWithdrawn) as exc:
-            if isinstance(exc, PayloadWithdrawn):
-                # Half a message is on the wire and will never be completed: cut it off.
-                reason = "broadcast withdrawn: its merge failed"
-            elif isinstance(exc, SendStalled):
-                self._drop_stalled(peer.conn, "it accepted no bytes")
-                return False
-            else:
-                reason = f"send failed: {exc}"
-            self._apply(self.groups.lost(peer.conn, reason))
+        except PayloadWithdrawn:
+            # Half a message is on the wire and will never be completed: cut it off.
+            self._apply(self.groups.lost(peer.conn, "broadcast withdrawn: its merge failed"))
+            return False
+        except SendStalled:
+            self._drop_stalled(peer.conn, "it accepted no bytes")
+            return False
+        except OSError as exc:
+            self._socket_failed(peer.conn, "send", exc)
             return False
         return True
+
+    def _socket_failed(self, conn: ConnId, what: str, exc: OSError) -> None:
+        """A read or write failed: drop the group, with a warning when the kernel ended a
+        silent connection (spec/syncer.md § 5), which no other line would explain."""
+        if exc.errno == errno.ETIMEDOUT:
+            fields = self.groups.socket_fields(conn)
+            if "learner_id" in fields:
+                fields.update(silence_bound_s=SILENCE_FACTOR * self.stall_timeout)
+                self._log(
+                    "warning",
+                    "a learner's connection went silent (no acknowledgement or keepalive "
+                    "answer): its group is dropped",
+                    fields,
+                )
+        self._apply(self.groups.lost(conn, f"{what} failed: {exc}"))
 
     def _drop_stalled(self, conn: ConnId, what: str) -> None:
         """A socket whose peer took nothing for the stall timeout: say which one, then drop its
