@@ -363,6 +363,31 @@ def test_nothing_listening_fails_within_the_connect_timeout(
     assert len(client.generations) >= 2
 
 
+def test_a_syncer_that_never_completes_a_frame_is_not_reported_as_unreachable(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    # Each group is cut inside its first frame (a syncer dropping the learner mid-BCAST): the
+    # learner was connected all along, so "could not connect … is yeto-sync running?" misled.
+    client = start_client(make_client, syncer.port, num_streams=0, connect_timeout=1.0)
+    for _ in range(10):
+        try:
+            group = syncer.accept_group(0, timeout=2.5)  # longer than the redial backoff
+        except TimeoutError:
+            break  # the client gave up
+        group.control.sock.sendall(encode_bytes(PullReq(0, 1, 1))[:20])
+        group.close()
+    items = []
+    while not items or not isinstance(items[-1], ClientFailed):
+        items.append(next_item(client))
+    error = items[-1].error
+    assert isinstance(error, SyncerUnreachable)
+    assert str(error).startswith(
+        f"connected to the syncer at 127.0.0.1:{syncer.port}, but no whole message came from "
+        "it within 1 s"
+    ), error
+    assert "inside a frame" in str(error)
+
+
 def test_a_decoding_error_is_fatal_and_not_redialed(
     syncer: ScriptedSyncer, make_client: list[SyncerClient]
 ) -> None:

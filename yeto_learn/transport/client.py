@@ -160,6 +160,7 @@ class SyncerClient:
         self._terminal = False  # ERROR or SHUTDOWN seen: never redial
         self._shut_down = False  # SHUTDOWN seen: the run is complete
         self._ever_served = False  # some group got a frame from the syncer
+        self._ever_connected = False  # some dial opened its sockets
         self._stop: anyio.Event | None = None
         self._dial_scope: anyio.CancelScope | None = None
         self._recv_buffer = bytearray(RECV_BUFFER_SIZE)
@@ -338,6 +339,7 @@ class SyncerClient:
                 continue
             if group is None:  # closed while dialing
                 return
+            self._ever_connected = True
             # A redial must hear from the syncer by the reconnect deadline: a syncer that
             # accepts and then says nothing (hung, or only its kernel accepting) is lost too.
             silence_limit = give_up_at if self._ever_served else None
@@ -369,6 +371,14 @@ class SyncerClient:
     def unreachable(self) -> SyncerUnreachable:
         """The error for a syncer that could not be reached (again) in time."""
         cfg = self.config
+        if self._ever_connected and not self._ever_served:
+            # Connected, and its connection ended before a whole frame came (a syncer that
+            # restarted or dropped us mid-frame): "could not connect" would send the user to
+            # look for a syncer that is running.
+            return SyncerUnreachable(
+                f"connected to the syncer at {cfg.address}, but no whole message came from it "
+                f"within {cfg.connect_timeout:g} s (last error: {self.last_error or 'none'})"
+            )
         if not self._ever_served:
             what = (
                 f"could not connect to the syncer at {cfg.address} within {cfg.connect_timeout:g} s"
