@@ -5,15 +5,33 @@ Shared by the tests that move bytes over ``benchmarks/shaped_link.py``'s veth li
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from shaped_link import ShapedLinks
+import pytest
+from shaped_link import ShapedLinks, shaped_links_available
 
 SPAWN = multiprocessing.get_context("spawn")
+
+
+@functools.cache
+def _why_no_shaped_links() -> str | None:
+    return shaped_links_available()  # makes and removes a namespace pair: asked once, lazily
+
+
+def skip_without_shaped_links() -> None:
+    """Skip the calling test where namespaces cannot be made (not root, no iproute2).
+
+    Asked when a test runs, not when the module is collected: collecting must not touch the
+    host's network namespaces.
+    """
+    why_not = _why_no_shaped_links()
+    if why_not is not None:
+        pytest.skip(why_not)
 
 
 def start_pair(

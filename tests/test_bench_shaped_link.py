@@ -19,15 +19,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from namespace_pair import start_pair  # noqa: E402
-from shaped_link import (  # noqa: E402
-    enter_namespace,
-    shaped_links,
-    shaped_links_available,
-)
+from namespace_pair import skip_without_shaped_links, start_pair  # noqa: E402
+from shaped_link import enter_namespace, shaped_links  # noqa: E402
 
-WHY_NOT = shaped_links_available()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+
+@pytest.fixture(autouse=True)
+def _needs_shaped_links() -> None:
+    skip_without_shaped_links()
+
 
 RATE = 100e6 / 8  # 100 Mbit/s: 2 MB take at least 0.16 s
 PAYLOAD = 2_000_000

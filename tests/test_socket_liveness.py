@@ -22,11 +22,15 @@ from yeto_sync.socket_liveness import bound_silence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from namespace_pair import start_pair  # noqa: E402
-from shaped_link import enter_namespace, shaped_links, shaped_links_available  # noqa: E402
+from namespace_pair import skip_without_shaped_links, start_pair  # noqa: E402
+from shaped_link import enter_namespace, shaped_links  # noqa: E402
 
-WHY_NOT = shaped_links_available()
-needs_namespaces = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+
+@pytest.fixture
+def namespaces() -> None:
+    skip_without_shaped_links()
+
+
 SILENCE_S = 2.0
 
 
@@ -93,7 +97,7 @@ def _cut_and_watch(bounded: bool, send_first: bool) -> tuple[str, float]:
     return outcome
 
 
-@needs_namespaces
+@pytest.mark.usefixtures("namespaces")
 @pytest.mark.parametrize("send_first", [True, False], ids=["unacknowledged data", "idle"])
 def test_a_silent_peer_fails_the_connection_within_the_bound(send_first: bool) -> None:
     outcome, seconds = _cut_and_watch(bounded=True, send_first=send_first)
@@ -101,7 +105,7 @@ def test_a_silent_peer_fails_the_connection_within_the_bound(send_first: bool) -
     assert seconds <= 3 * SILENCE_S + 1
 
 
-@needs_namespaces
+@pytest.mark.usefixtures("namespaces")
 def test_without_the_bound_a_silent_peer_goes_unnoticed() -> None:
     outcome, _ = _cut_and_watch(bounded=False, send_first=True)
     assert outcome == "nothing noticed"
