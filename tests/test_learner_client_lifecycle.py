@@ -45,7 +45,7 @@ from yeto_learn.transport import (
 )
 from yeto_learn.transport import client as client_module
 from yeto_learn.transport.client import MESSAGE_OVERHEAD_BYTES
-from yeto_learn.transport.group import open_socket
+from yeto_learn.transport.group import open_sockets
 from yeto_proto import (
     AnyMessage,
     BcastFragment,
@@ -116,14 +116,17 @@ needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="need
 
 # -- close() ----------------------------------------------------------------------------------
 @needs_proc
+@pytest.mark.parametrize("num_streams", [0, 3])
 def test_close_during_a_dial_abandons_it_and_leaves_no_thread_or_socket(
-    hanging_port: int,
+    hanging_port: int, num_streams: int
 ) -> None:
     fds_before = open_fds()
-    client = SyncerClient(ClientConfig("127.0.0.1", hanging_port, num_streams=0), HELLO, LIMITS)
+    client = SyncerClient(
+        ClientConfig("127.0.0.1", hanging_port, num_streams=num_streams), HELLO, LIMITS
+    )
     client.start()
     wait_for(lambda: client.generations)  # the dial has begun
-    time.sleep(0.1)  # its connect is pending
+    time.sleep(0.1)  # its connects are pending
     started = time.monotonic()
     client.close()
     assert time.monotonic() - started < 0.5
@@ -135,29 +138,26 @@ def test_close_during_a_dial_abandons_it_and_leaves_no_thread_or_socket(
 def test_a_close_as_a_dial_completes_opens_no_group(
     syncer: ScriptedSyncer, make_client: list[SyncerClient], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """close() lands while the dial's last connect completes, before the event loop has handled
-    its wake-up (so the stop event is not set yet): the dial must still give up, not open a
-    group and send HELLO to a syncer the learner has already left."""
+    """close() lands while the dial's connects complete, before the event loop has handled its
+    wake-up (so the stop event is not set yet): the dial must still give up, not open a group
+    and send HELLO to a syncer the learner has already left."""
     client = SyncerClient(
         ClientConfig("127.0.0.1", syncer.port, num_streams=1, heartbeat_interval=60), HELLO, LIMITS
     )
     make_client.append(client)  # closed again if the test fails on the way
-    opened: list[socket.socket] = []
     closers: list[threading.Thread] = []
 
-    async def close_as_the_last_socket_opens(host: str, port: int) -> socket.socket:
-        sock = await open_socket(host, port)
-        opened.append(sock)
-        if len(opened) == 2:  # stream 0 and the data socket: the dial completes now
-            closer = threading.Thread(target=client.close)
-            closer.start()
-            closers.append(closer)
-            # Block the event loop (no await) until close() has asked: its wake-up is then
-            # still unhandled when the dial looks, as when both happen in one loop turn.
-            wait_for(lambda: client._close_requested)
-        return sock
+    async def close_as_the_sockets_open(host: str, port: int, count: int) -> list[socket.socket]:
+        sockets = await open_sockets(host, port, count)  # stream 0 and the data socket
+        closer = threading.Thread(target=client.close)
+        closer.start()
+        closers.append(closer)
+        # Block the event loop (no await) until close() has asked: its wake-up is then still
+        # unhandled when the dial looks, as when both happen in one loop turn.
+        wait_for(lambda: client._close_requested)
+        return sockets
 
-    monkeypatch.setattr(client_module, "open_socket", close_as_the_last_socket_opens)
+    monkeypatch.setattr(client_module, "open_sockets", close_as_the_sockets_open)
     client.start()
     accepted = []
     for _ in range(2):
@@ -171,24 +171,6 @@ def test_a_close_as_a_dial_completes_opens_no_group(
         sock.settimeout(5)
         assert sock.recv(1 << 16) == b""
         sock.close()
-
-
-def test_each_connect_of_a_dial_has_its_own_bound(
-    syncer: ScriptedSyncer, make_client: list[SyncerClient], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Five sockets at 0.3 s each (a long round trip) outlast one 1 s bound for all of them.
-    real_open = client_module.open_socket
-
-    async def slow_open(host: str, port: int) -> socket.socket:
-        await anyio.sleep(0.3)
-        return await real_open(host, port)
-
-    monkeypatch.setattr(client_module, "open_socket", slow_open)
-    monkeypatch.setattr(client_module, "DIAL_TIMEOUT_S", 1.0)
-    client = start_client(make_client, syncer.port, num_streams=4, connect_timeout=10)
-    group = syncer.accept_group(4)
-    assert isinstance(next_item(client), GroupUp)
-    group.close()
 
 
 def test_a_pending_connect_does_not_overrun_connect_timeout(
@@ -302,6 +284,126 @@ def test_close_cuts_a_flush_the_syncer_does_not_read_after_close_flush(
     assert time.monotonic() - started < 1.0
     assert not client.running
     assert client.poll() == [Undelivered(1, FinalAck(9)), GroupLost(1, "closed by the learner")]
+    group.close()
+
+
+# -- dialing ------------------------------------------------------------------------------------
+class ConnectLog:
+    """What the client's dials do, in order: ``"connect"`` for each connect begun
+    (``socket.connect_ex``), ``"wait"`` for each wait for a begun connect to end
+    (``anyio.wait_writable``); patched in for one test.
+
+    ``rtt`` models a round trip (this kernel has no netem): a begun connect is seen to end no
+    sooner than ``rtt`` after it began, as its SYN-ACK would come back. ``redirect(n, address)``
+    may send the ``n``-th connect (0-based) elsewhere.
+    """
+
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        *,
+        rtt: float = 0.0,
+        redirect: Callable[[int, Any], Any] | None = None,
+    ) -> None:
+        self.events: list[str] = []
+        self.sockets: list[socket.socket] = []
+        self.addresses: list[Any] = []
+        began: dict[int, float] = {}
+        real_connect_ex = socket.socket.connect_ex
+        real_wait_writable = anyio.wait_writable
+
+        def connect_ex(sock: socket.socket, address: Any) -> int:
+            if redirect is not None:
+                address = redirect(len(self.sockets), address)
+            self.events.append("connect")
+            self.sockets.append(sock)
+            self.addresses.append(address)
+            began[sock.fileno()] = time.monotonic()
+            return real_connect_ex(sock, address)
+
+        async def wait_writable(obj: Any) -> None:
+            started = began.pop(obj.fileno(), None) if isinstance(obj, socket.socket) else None
+            if started is not None:
+                self.events.append("wait")
+                await anyio.sleep(max(started + rtt - time.monotonic(), 0.0))
+            await real_wait_writable(obj)
+
+        monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
+        monkeypatch.setattr(anyio, "wait_writable", wait_writable)
+
+
+def test_a_dial_begins_every_connect_before_it_waits_for_one(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = ConnectLog(monkeypatch)
+    client = start_client(make_client, syncer.port, num_streams=4, heartbeat_interval=60)
+    group = syncer.accept_group(4)
+    assert isinstance(next_item(client), GroupUp)
+    # One after the other, each connect waited for its own round trip before the next began.
+    assert log.events[:5] == ["connect"] * 5, log.events
+    assert log.events[5:] and set(log.events[5:]) == {"wait"}, log.events
+    group.close()
+
+
+def test_a_group_of_many_streams_opens_in_about_one_round_trip(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # S = 40 at 300 ms: 41 round trips (12.3 s) when the connects ran one after the other.
+    ConnectLog(monkeypatch, rtt=0.3)
+    started = time.monotonic()
+    client = start_client(make_client, syncer.port, num_streams=40, heartbeat_interval=60)
+    group = syncer.accept_group(40)
+    assert isinstance(next_item(client), GroupUp)
+    assert time.monotonic() - started < 3.0
+    assert len(client.generations) == 1  # the first dial made it
+    group.close()
+
+
+@needs_proc
+def test_a_refused_connect_fails_its_dial_and_closes_every_socket_of_it(
+    syncer: ScriptedSyncer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fds_before = open_fds()
+    dead = ("127.0.0.1", free_port())
+    # The third socket of every dial (of 1 + 4) meets a closed port; the others the syncer.
+    log = ConnectLog(monkeypatch, redirect=lambda n, address: dead if n % 5 == 2 else address)
+    client = SyncerClient(
+        ClientConfig("127.0.0.1", syncer.port, num_streams=4, connect_timeout=0.5), HELLO, LIMITS
+    )
+    client.start()
+    item = client.wait(5.0)
+    client.close()
+    assert isinstance(item, ClientFailed), item
+    assert isinstance(item.error, SyncerUnreachable)
+    assert "(last error: Connection refused)" in str(item.error)
+    assert len(log.sockets) >= 5
+    assert all(sock.fileno() == -1 for sock in log.sockets)  # closed, not just dropped
+    assert open_fds() <= fds_before
+
+
+def test_a_dial_falls_back_to_the_next_address_and_closes_the_sockets_of_the_dead_one(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dead = free_port()
+
+    async def dead_then_live(host: str, port: int, **kwargs: Any) -> list[Any]:
+        # As "localhost" resolving to ::1, where nothing listens, before 127.0.0.1.
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", dead)),
+            (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", port)),
+        ]
+
+    monkeypatch.setattr(anyio, "getaddrinfo", dead_then_live)
+    log = ConnectLog(monkeypatch)
+    client = start_client(make_client, syncer.port, num_streams=3, heartbeat_interval=60)
+    group = syncer.accept_group(3)
+    assert isinstance(next_item(client), GroupUp)
+    assert len(client.generations) == 1  # the fallback is part of the dial
+    to_dead = [
+        s for s, address in zip(log.sockets, log.addresses, strict=True) if address[1] == dead
+    ]
+    assert len(to_dead) == 4
+    assert all(sock.fileno() == -1 for sock in to_dead)
     group.close()
 
 

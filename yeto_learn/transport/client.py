@@ -55,13 +55,13 @@ from yeto_proto.constants import CHUNK_SLICE_SIZE, MAX_STREAMS
 from ..session.reconnect import backoff_delay, fresh_generation
 from .errors import LearnerError, SyncerProtocolViolation, SyncerUnreachable
 from .events import ClientFailed, GroupLost, GroupUp, InboxItem, Received, Undelivered
-from .group import RECV_BUFFER_SIZE, ConnectionGroup, Counters, open_socket
+from .group import RECV_BUFFER_SIZE, ConnectionGroup, Counters, open_sockets
 
 #: HEARTBEAT interval (spec/learner.md §9: not part of the wire contract).
 HEARTBEAT_INTERVAL_S = 1.0
 _log = logging.getLogger("yeto_learn")
 
-#: Bound on each TCP connect of a dial before the dial counts as failed.
+#: Bound on a dial (its 1 + S TCP connects run at once) before it counts as failed.
 DIAL_TIMEOUT_S = 10.0
 #: The least a dial gets once the connect or reconnect deadline has (nearly) passed.
 DIAL_FLOOR_S = 0.25
@@ -395,9 +395,14 @@ class SyncerClient:
     async def _dial(self, give_up_at: float) -> ConnectionGroup | None:
         """Open stream 0 and the data sockets of a new generation; queue HELLO, DATA_HELLOs.
 
+        The 1 + S connects run at once, so a group opens in about one round trip; the syncer
+        may accept a data socket before stream 0 (its DATA_HELLO waits for the HELLO). The
+        frames go out only once every socket is connected.
+
         ``None`` once ``close`` was requested: a dial left running would join the session
-        after the learner gave up on it. A dial ends by ``give_up_at`` (or soon after, when
-        that has passed), so a short ``connect_timeout`` is not overrun by a pending connect.
+        after the learner gave up on it. A dial ends within ``DIAL_TIMEOUT_S`` and by
+        ``give_up_at`` (or ``DIAL_FLOOR_S`` after it began, when that has passed), so a short
+        ``connect_timeout`` is not overrun by a pending connect.
         """
         assert self._stop is not None
         cfg = self.config
@@ -410,18 +415,12 @@ class SyncerClient:
             with anyio.CancelScope() as self._dial_scope:
                 if self._stop.is_set():
                     self._dial_scope.cancel()
-                for _ in range(1 + cfg.num_streams):
-                    # A bound per connect: a group opens in 1 + S round trips, so one bound
-                    # for them all refused many streams over a long round trip.
-                    with anyio.fail_after(min(DIAL_TIMEOUT_S, dial_end - time.monotonic())):
-                        sockets.append(await open_socket(cfg.host, cfg.port))
-        except BaseException:
-            for sock in sockets:
-                sock.close()
-            raise
+                with anyio.fail_after(min(DIAL_TIMEOUT_S, dial_end - time.monotonic())):
+                    # Closes what it opened when it fails or is cancelled.
+                    sockets = await open_sockets(cfg.host, cfg.port, 1 + cfg.num_streams)
         finally:
             self._dial_scope = None
-        # Cancelled, or close() came as the last socket opened (its wake-up may not have been
+        # Cancelled, or close() came as the sockets opened (its wake-up may not have been
         # handled yet in this loop turn, so ask the flag it sets first).
         if self._stop.is_set() or self._close_requested:
             for sock in sockets:

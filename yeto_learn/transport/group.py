@@ -113,31 +113,56 @@ def _close_quietly(sock: socket.socket) -> None:
         sock.close()
 
 
-async def open_socket(host: str, port: int) -> socket.socket:
-    """A connected, non-blocking TCP socket (raises OSError, e.g. connection refused)."""
+async def open_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` connected, non-blocking TCP sockets to one address of ``host``.
+
+    Their connects run at once (the kernel handshakes them side by side), so they open in
+    about one round trip, not ``count``. The resolved addresses are tried in turn (an IPv6 and
+    an IPv4 one for "localhost", say): an attempt fails when any of its connects fails, and its
+    sockets are closed before the next address is tried; the last attempt's OSError is raised
+    (e.g. connection refused). Cancelled, it closes every socket it opened.
+    """
     infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     last: OSError = OSError(f"no address for {host}:{port}")
     for family, kind, proto, _, address in infos:
-        sock = socket.socket(family, kind, proto)
+        sockets: list[socket.socket] = []
         try:
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            bound_silence(sock, SILENCE_FACTOR * SEND_STALL_TIMEOUT_S)
-            code = sock.connect_ex(address)
-            if code not in (0, *_CONNECT_PENDING):
-                raise OSError(code, os.strerror(code))
-            if code:
-                await anyio.wait_writable(sock)
-                code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                if code:
-                    raise OSError(code, os.strerror(code))
-            return sock
+            pending = [_start_connect(sockets, family, kind, proto, address) for _ in range(count)]
+            for sock, waits in zip(sockets, pending, strict=True):
+                if waits:
+                    await _connected(sock)
+            return sockets
         except BaseException as exc:
-            _close_quietly(sock)
+            for sock in sockets:
+                _close_quietly(sock)
             if not isinstance(exc, OSError):
                 raise
             last = exc
     raise last
+
+
+def _start_connect(
+    sockets: list[socket.socket], family: int, kind: int, proto: int, address: tuple[str, int]
+) -> bool:
+    """Open a socket (appended to ``sockets`` at once, so a failure closes it too) and start its
+    connect; True when it is still in progress."""
+    sock = socket.socket(family, kind, proto)
+    sockets.append(sock)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    bound_silence(sock, SILENCE_FACTOR * SEND_STALL_TIMEOUT_S)
+    code = sock.connect_ex(address)
+    if code not in (0, *_CONNECT_PENDING):
+        raise OSError(code, os.strerror(code))
+    return code != 0
+
+
+async def _connected(sock: socket.socket) -> None:
+    """Wait for ``sock``'s connect in progress to end; raise its error."""
+    await anyio.wait_writable(sock)
+    code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if code:
+        raise OSError(code, os.strerror(code))
 
 
 class ConnectionGroup:
