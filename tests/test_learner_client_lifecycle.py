@@ -407,6 +407,27 @@ def test_a_dial_falls_back_to_the_next_address_and_closes_the_sockets_of_the_dea
     group.close()
 
 
+@needs_proc
+@pytest.mark.parametrize(
+    ("connect_timeout", "bound"),
+    [(0.5, "0.5"), (0.1, "0.25")],  # the connect deadline; the dial's floor past it
+)
+def test_a_dial_cut_short_reports_the_bound_that_applied(
+    hanging_port: int, connect_timeout: float, bound: str
+) -> None:
+    fds_before = open_fds()
+    config = ClientConfig("127.0.0.1", hanging_port, num_streams=3, connect_timeout=connect_timeout)
+    client = SyncerClient(config, HELLO, LIMITS)
+    client.start()
+    item = client.wait(5.0)
+    client.close()
+    assert isinstance(item, ClientFailed), item
+    assert isinstance(item.error, SyncerUnreachable)
+    # It used to say 10 s (DIAL_TIMEOUT_S) whatever cut the dial short.
+    assert f"(last error: no connection within {bound} s)" in str(item.error)
+    assert open_fds() <= fds_before
+
+
 # -- the bounded inbox ------------------------------------------------------------------------
 MIB_FRAGMENT = WireLayout((WireFragment(MergeMode.AVG, (1 << 18,)),))  # 1 MiB of f32
 MIB_LIMITS = Limits.of(WireDtype.F32, MIB_FRAGMENT)

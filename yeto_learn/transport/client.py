@@ -402,7 +402,8 @@ class SyncerClient:
         ``None`` once ``close`` was requested: a dial left running would join the session
         after the learner gave up on it. A dial ends within ``DIAL_TIMEOUT_S`` and by
         ``give_up_at`` (or ``DIAL_FLOOR_S`` after it began, when that has passed), so a short
-        ``connect_timeout`` is not overrun by a pending connect.
+        ``connect_timeout`` is not overrun by a pending connect; it then raises a TimeoutError
+        that names the bound that applied.
         """
         assert self._stop is not None
         cfg = self.config
@@ -410,14 +411,17 @@ class SyncerClient:
         self.generations.append(generation)
         hello = replace(self._hello, generation=generation)
         sockets: list[socket.socket] = []
-        dial_end = max(give_up_at, time.monotonic() + DIAL_FLOOR_S)
+        # By give_up_at, but never less than the floor (the deadline may have (nearly) passed).
+        bound = min(DIAL_TIMEOUT_S, max(give_up_at - time.monotonic(), DIAL_FLOOR_S))
         try:
             with anyio.CancelScope() as self._dial_scope:
                 if self._stop.is_set():
                     self._dial_scope.cancel()
-                with anyio.fail_after(min(DIAL_TIMEOUT_S, dial_end - time.monotonic())):
+                with anyio.move_on_after(bound) as timer:
                     # Closes what it opened when it fails or is cancelled.
                     sockets = await open_sockets(cfg.host, cfg.port, 1 + cfg.num_streams)
+                if timer.cancelled_caught:
+                    raise TimeoutError(f"no connection within {bound:.2g} s")
         finally:
             self._dial_scope = None
         # Cancelled, or close() came as the sockets opened (its wake-up may not have been
@@ -519,8 +523,8 @@ def _held_bytes(message: AnyMessage) -> int:
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return f"no connection within {DIAL_TIMEOUT_S:g} s"
+    # A dial's own TimeoutError carries its text (the bound that applied); the kernel's
+    # (ETIMEDOUT) has a strerror like any OSError.
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return str(exc) or type(exc).__name__
