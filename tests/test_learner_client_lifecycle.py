@@ -7,7 +7,9 @@ listener with a full accept queue, which drops the client's SYN so its connect s
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
+import json
 import os
 import socket
 import threading
@@ -33,6 +35,7 @@ from test_learner_client import (
 )
 
 from yeto_learn import FinishTimeout, Learner, LearnerError, SyncerSilent, SyncerUnreachable
+from yeto_learn.artifact_files import LAYOUT_FILE, RUN_ID_FILE, STATE_FILE, SUMMARY_FILE
 from yeto_learn.transport import (
     ClientConfig,
     ClientFailed,
@@ -613,10 +616,11 @@ def test_a_start_whose_model_stops_arriving_says_how_far_it_got(syncer: Scripted
 
 
 def test_a_finish_whose_shutdown_never_comes_keeps_the_applied_final_state(
-    syncer: ScriptedSyncer, tmp_path: Path
+    syncer: ScriptedSyncer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out_dir = tmp_path / "learner-1"
     learner, group = started_learner(syncer, out_dir=out_dir, reconnect_timeout=1.0)
+    saves = counted_saves(monkeypatch)
     numels = group.hello.layout.numels
 
     def cut_then_vanish() -> None:
@@ -643,6 +647,173 @@ def test_a_finish_whose_shutdown_never_comes_keeps_the_applied_final_state(
     assert any("global step 7 was applied and saved" in note for note in notes), notes
     state = torch.load(out_dir / "model.pt")
     assert all(bool((tensor == 5.0).all()) for tensor in state.values())
+    assert len(saves) == 1  # as the cut was applied; the failure only names the file
+
+
+def counted_saves(
+    monkeypatch: pytest.MonkeyPatch, before: Callable[[], object] = list
+) -> list[Any]:
+    """Every artifact save of a Learner from now on, each after a call of ``before`` (whose
+    result is recorded)."""
+    saves: list[Any] = []
+    save = Learner._save_artifact
+
+    def counted(learner: Learner) -> None:
+        saves.append(before())
+        save(learner)
+
+    monkeypatch.setattr(Learner, "_save_artifact", counted)
+    return saves
+
+
+def final_values(numels: tuple[int, ...]) -> list[np.ndarray[Any, np.dtype[np.float32]]]:
+    rng = np.random.default_rng(7)
+    return [rng.standard_normal(numel).astype("<f4") for numel in numels]
+
+
+def send_final_cut(
+    group: ScriptedGroup, step: int, values: list[np.ndarray[Any, np.dtype[np.float32]]]
+) -> None:
+    """Every fragment's FINAL_FRAGMENT (version 0) and the manifest of final step ``step``."""
+    for fragment, flat in enumerate(values):
+        group.control.send(FinalFragment(fragment, 0, flat.view(np.uint8).data))
+    group.control.send(FinalManifest(step, (0,) * len(values)))
+
+
+def await_final_ack(group: ScriptedGroup) -> FinalAck:
+    deadline = time.monotonic() + 10
+    while not isinstance(message := group.control.read(deadline - time.monotonic()), FinalAck):
+        pass
+    return message
+
+
+def finish_in_thread(learner: Learner, timeout: float) -> tuple[threading.Thread, list[Any]]:
+    """``learner.finish(timeout)`` in a thread; the list gets None or what it raised."""
+    outcome: list[Any] = []
+
+    def finish() -> None:
+        try:
+            learner.finish(timeout=timeout)
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=finish)
+    thread.start()
+    return thread, outcome
+
+
+def artifact_files(out_dir: Path) -> dict[str, tuple[int, int]]:
+    """Each artifact file's inode and mtime: an atomic rewrite changes the inode."""
+    return {
+        name: ((out_dir / name).stat().st_ino, (out_dir / name).stat().st_mtime_ns)
+        for name in (LAYOUT_FILE, SUMMARY_FILE, STATE_FILE)
+    }
+
+
+def test_the_artifact_is_saved_once_the_ack_is_out_not_after_the_shutdown(
+    syncer: ScriptedSyncer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The syncer holds its SHUTDOWN back (it waits for other learners' ACKs): model.pt must
+    already hold the final state, so a learner killed meanwhile loses nothing; the SHUTDOWN
+    then writes nothing again."""
+    out_dir = tmp_path / "learner-1"
+    learner, group = started_learner(syncer, out_dir=out_dir)
+    values = final_values(group.hello.layout.numels)
+    acked = threading.Event()
+    # Each save records whether it had to wait for the syncer to hold the ACK: the write
+    # must not delay the ACK (if it came first, the ACK would wait 10 s for it).
+    saves = counted_saves(monkeypatch, lambda: not acked.wait(10))
+    finishing, outcome = finish_in_thread(learner, 30)
+    try:
+        send_final_cut(group, 7, values)
+        assert await_final_ack(group) == FinalAck(7)
+        acked.set()
+        wait_for(lambda: (out_dir / STATE_FILE).exists(), timeout=10)
+        assert finishing.is_alive()  # still waiting for the SHUTDOWN
+        saved = torch.load(out_dir / STATE_FILE)
+        expected: dict[str, bytes] = {}
+        for placed, flat in zip(learner.layout.offsets(), values, strict=True):
+            for tensor, at in placed:
+                expected[tensor.name] = flat[at : at + tensor.numel].tobytes()
+        assert {name: t.numpy().tobytes() for name, t in saved.items()} == expected
+        summary = json.loads((out_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
+        assert summary["final_global_step"] == 7
+        written = artifact_files(out_dir)
+        group.control.send(Shutdown())
+        finishing.join(10)
+        assert outcome == [None]
+    finally:
+        group.close()
+        finishing.join(10)
+        learner.close()
+    assert saves == [False]  # one save, begun after the syncer held the ACK
+    assert artifact_files(out_dir) == written  # the SHUTDOWN wrote nothing again
+
+
+def test_an_artifact_that_fails_at_the_cut_lets_the_run_end_then_raises(
+    syncer: ScriptedSyncer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out_dir = tmp_path / "learner-1"
+    learner, group = started_learner(syncer, out_dir=out_dir)
+    shutdown_sent = threading.Event()
+    attempts: list[bool] = []  # per write of model.pt: had the SHUTDOWN been sent?
+
+    def full_disk(*args: Any, **kwargs: Any) -> None:
+        attempts.append(shutdown_sent.is_set())
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    finishing, outcome = finish_in_thread(learner, 30)
+    try:
+        send_final_cut(group, 7, final_values(group.hello.layout.numels))
+        assert await_final_ack(group) == FinalAck(7)
+        wait_for(lambda: attempts, timeout=10)  # tried at the cut, and failed
+        assert finishing.is_alive()  # still serving the syncer
+        shutdown_sent.set()
+        group.control.send(Shutdown())
+        finishing.join(10)
+    finally:
+        group.close()
+        finishing.join(10)
+        learner.close()
+    (error,) = outcome
+    # The SHUTDOWN was taken (no FinishTimeout, no note that the run never ended), then the
+    # write was tried once more and its failure raised.
+    assert type(error) is LearnerError, error
+    assert str(error) == (
+        "the final state was applied and acknowledged, but the learner's artifact was not "
+        f"saved: {os.strerror(errno.ENOSPC)} (file {out_dir / STATE_FILE})"
+    )
+    assert not getattr(error, "__notes__", None)
+    assert attempts == [False, True]
+    # model.pt is written last: without it, nothing claims a whole artifact; no temp file.
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(
+        [RUN_ID_FILE, LAYOUT_FILE, SUMMARY_FILE]
+    )
+
+
+def test_writing_the_artifact_does_not_count_against_the_finish_timeout(
+    syncer: ScriptedSyncer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large model takes a while to write: finish(timeout) bounds the wait for the syncer,
+    as it did when the artifact was written after the SHUTDOWN."""
+    out_dir = tmp_path / "learner-1"
+    learner, group = started_learner(syncer, out_dir=out_dir)
+    counted_saves(monkeypatch, lambda: time.sleep(2.0))
+    finishing, outcome = finish_in_thread(learner, 1.5)
+    try:
+        send_final_cut(group, 7, final_values(group.hello.layout.numels))
+        assert await_final_ack(group) == FinalAck(7)
+        group.control.send(Shutdown())
+        finishing.join(10)
+    finally:
+        group.close()
+        finishing.join(10)
+        learner.close()
+    assert outcome == [None]
+    assert (out_dir / STATE_FILE).exists()
 
 
 def test_a_finish_without_the_final_cut_saves_nothing(

@@ -20,6 +20,11 @@ meanwhile is local). It raises once nothing has moved to or from the syncer for
 waits on the network: the client thread and this one meet in thread-safe queues, and the
 protocol rules live in :class:`~yeto_learn.session.LearnerSession`, which this class drives.
 
+With ``out_dir``, the learner's artifact (``layout.json``, ``summary.json``, ``model.pt``) is
+written inside ``finish()`` as soon as the final state is applied and its FINAL_ACK queued, not
+after the syncer's SHUTDOWN: a process killed while the syncer waits for the other learners'
+ACKs still leaves the syncer's final state on disk.
+
 Under ``torchrun`` (an initialized ``torch.distributed`` process group of 2+ ranks) only rank 0
 talks to the syncer; see :mod:`yeto_learn.distributed`. ``step`` and ``finish`` are then
 collective: every rank calls them.
@@ -402,6 +407,10 @@ class Learner:
         self._calls = threading.RLock()
         self.final_ready = False
         self.final_global_step: int | None = None
+        #: The final step whose artifact is on disk (rank 0, with out_dir), and the seconds
+        #: the current finish() spent writing it (they do not count against its timeout).
+        self._saved_step: int | None = None
+        self._saving_s = 0.0
         self._pushes = 0
         self._starved_warned = False
         self._starved_check_at = 0.0
@@ -584,16 +593,21 @@ class Learner:
         self._run(plan, error)
 
     def finish(self, timeout: float | None = None) -> None:
-        """Wait for the final state, apply it, ACK it, and save the learner's artifact.
+        """Wait for the final state, apply it, ACK it, save the learner's artifact, and wait
+        for the syncer's SHUTDOWN.
 
-        Keeps answering pulls meanwhile. Raises :class:`FinishTimeout` if the syncer's final
-        cut (or its SHUTDOWN after our ACK) does not arrive within ``timeout`` seconds
-        (default ``finish_timeout``); nothing local is ever saved in place of a missing cut.
-        A cut that was applied is saved even when ``finish`` then fails (the syncer stopped or
-        fell silent before its SHUTDOWN): the error's note names the file. The learner stays
-        usable after that timeout: call ``finish()`` again to wait longer, or ``close()``.
-        An artifact that cannot be written (a full disk) raises :class:`LearnerError` naming
-        the file, after the final state was applied and acknowledged.
+        Keeps answering pulls meanwhile. The artifact (with ``out_dir``; rank 0 under
+        torchrun) is written as soon as the final state is applied and its FINAL_ACK queued,
+        while the syncer may still wait for other learners' ACKs; it is not written again
+        after the SHUTDOWN. Raises :class:`FinishTimeout` if the syncer's final cut (or its
+        SHUTDOWN after our ACK) does not arrive within ``timeout`` seconds (default
+        ``finish_timeout``; writing the artifact does not count); nothing local is ever saved
+        in place of a missing cut. When ``finish`` fails after the cut was applied (the syncer
+        stopped or fell silent before its SHUTDOWN), the error's note names the saved file.
+        The learner stays usable after that timeout: call ``finish()`` again to wait longer,
+        or ``close()``. An artifact that cannot be written (a full disk) does not stop the
+        protocol: the learner ACKs and waits for the SHUTDOWN all the same, tries the write
+        once more, and then raises :class:`LearnerError` naming the file.
         """
         with self._one_caller():
             self._usable()
@@ -601,11 +615,12 @@ class Learner:
             if self.budget_reached and not self.budget_reported:
                 self.report_budget()
             limit = self.finish_timeout if timeout is None else timeout
-            deadline = time.monotonic() + limit
+            started = time.monotonic()
+            self._saving_s = 0.0
             try:
                 self._service_until(
                     lambda: self._shutdown,
-                    deadline,
+                    lambda: started + limit + self._saving_s,
                     lambda: FinishTimeout(
                         f"the syncer at {self.syncer_address} did not complete finalization "
                         f"within {limit:g} s (final state "
@@ -620,7 +635,7 @@ class Learner:
             self._finished = True
             if self.is_leader:
                 self._close_client()
-                self._save_artifact()
+                self._save_unsaved_cut()
 
     @property
     def budget_reached(self) -> bool:
@@ -751,6 +766,8 @@ class Learner:
                     error = exc
                     plan = Plan(PlanStatus.FAILED, error=_failure_text(exc))
             plan = self._run(plan, error)
+            if plan.final_global_step is not None:  # applied on every rank, FINAL_ACK queued
+                self._save_applied_cut()
             if plan.status is PlanStatus.DONE:
                 return
             if plan.status is PlanStatus.TIMED_OUT:
@@ -932,15 +949,44 @@ class Learner:
             self._client_closed = True
             self._client.close()
 
+    def _save_applied_cut(self) -> None:
+        """Rank 0, right after a final cut was applied (and its FINAL_ACK, if due, queued):
+        save the artifact now, on the thread that owns the model, rather than after the
+        SHUTDOWN, which may come much later or never (spec/learner.md § 7 item 7). A save
+        that fails (a full disk) is only logged here: the syncer still needs this learner
+        until its SHUTDOWN, and ``finish`` tries again then, raising what fails."""
+        if not self.is_leader or self.out_dir is None:
+            return
+        started = time.monotonic()
+        try:
+            self._save_artifact()
+        except Exception as exc:  # an interrupt still stops finish(); nothing else may
+            _log.warning(
+                "yeto learner %d: saving the artifact at the final cut failed (finish() tries "
+                "again once the syncer ends the run): %s",
+                self.learner_id,
+                exc,
+            )
+        finally:
+            self._saving_s += time.monotonic() - started
+
+    def _save_unsaved_cut(self) -> None:
+        """Save the artifact unless the applied cut's is already on disk: nothing in it
+        changes after the cut (no step is allowed after it, and a newer cut is saved as it is
+        applied), so it is written again only when its write at the cut failed."""
+        if self._saved_step is None or self._saved_step != self.final_global_step:
+            self._save_artifact()
+
     def _keep_applied_final_state(self, exc: LearnerError) -> None:
         """``finish`` failed after the final cut was applied (its SHUTDOWN never came: the
         syncer fell silent or stopped while it waited for another learner's ACK): the
-        parameters hold the syncer's final state all the same, so the artifact is saved, and
-        the error says so. Nothing is saved without the cut (spec/learner.md § 7 item 7)."""
+        parameters hold the syncer's final state all the same, saved as the cut was applied
+        (or now, if that write failed), and the error says so. Nothing is saved without the
+        cut (spec/learner.md § 7 item 7)."""
         if self.final_global_step is None or not self.is_leader or self.out_dir is None:
             return
         try:
-            self._save_artifact()
+            self._save_unsaved_cut()
         except LearnerError as failed:
             exc.add_note(f"the applied final state could not be saved either: {failed}")
             return
@@ -989,6 +1035,7 @@ class Learner:
                 "the final state was applied and acknowledged, but the learner's artifact was "
                 f"not saved: {_write_failure(exc, self.out_dir)}"
             ) from exc
+        self._saved_step = self.final_global_step
 
 
 class _QuietDeadline:
