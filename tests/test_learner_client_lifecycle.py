@@ -707,6 +707,25 @@ def finish_in_thread(learner: Learner, timeout: float) -> tuple[threading.Thread
     return thread, outcome
 
 
+@contextlib.contextmanager
+def finishing_past_the_cut(
+    learner: Learner, group: ScriptedGroup, timeout: float, values: list[Any]
+) -> Iterator[tuple[threading.Thread, list[Any]]]:
+    """``finish(timeout)`` in a thread, sent the final cut of step 7, whose ACK is read; the
+    body runs while the SHUTDOWN is held back, then it is sent and ``finish`` joined."""
+    thread, outcome = finish_in_thread(learner, timeout)
+    try:
+        send_final_cut(group, 7, values)
+        assert await_final_ack(group) == FinalAck(7)
+        yield thread, outcome
+        group.control.send(Shutdown())
+        thread.join(10)
+    finally:
+        group.close()
+        thread.join(10)
+        learner.close()
+
+
 def artifact_files(out_dir: Path) -> dict[str, tuple[int, int]]:
     """Each artifact file's inode and mtime: an atomic rewrite changes the inode."""
     return {
@@ -728,10 +747,7 @@ def test_the_artifact_is_saved_once_the_ack_is_out_not_after_the_shutdown(
     # Each save records whether it had to wait for the syncer to hold the ACK: the write
     # must not delay the ACK (if it came first, the ACK would wait 10 s for it).
     saves = counted_saves(monkeypatch, lambda: not acked.wait(10))
-    finishing, outcome = finish_in_thread(learner, 30)
-    try:
-        send_final_cut(group, 7, values)
-        assert await_final_ack(group) == FinalAck(7)
+    with finishing_past_the_cut(learner, group, 30, values) as (finishing, outcome):
         acked.set()
         wait_for(lambda: (out_dir / STATE_FILE).exists(), timeout=10)
         assert finishing.is_alive()  # still waiting for the SHUTDOWN
@@ -744,13 +760,7 @@ def test_the_artifact_is_saved_once_the_ack_is_out_not_after_the_shutdown(
         summary = json.loads((out_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
         assert summary["final_global_step"] == 7
         written = artifact_files(out_dir)
-        group.control.send(Shutdown())
-        finishing.join(10)
-        assert outcome == [None]
-    finally:
-        group.close()
-        finishing.join(10)
-        learner.close()
+    assert outcome == [None]
     assert saves == [False]  # one save, begun after the syncer held the ACK
     assert artifact_files(out_dir) == written  # the SHUTDOWN wrote nothing again
 
@@ -768,19 +778,11 @@ def test_an_artifact_that_fails_at_the_cut_lets_the_run_end_then_raises(
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(torch, "save", full_disk)
-    finishing, outcome = finish_in_thread(learner, 30)
-    try:
-        send_final_cut(group, 7, final_values(group.hello.layout.numels))
-        assert await_final_ack(group) == FinalAck(7)
+    values = final_values(group.hello.layout.numels)
+    with finishing_past_the_cut(learner, group, 30, values) as (finishing, outcome):
         wait_for(lambda: attempts, timeout=10)  # tried at the cut, and failed
         assert finishing.is_alive()  # still serving the syncer
         shutdown_sent.set()
-        group.control.send(Shutdown())
-        finishing.join(10)
-    finally:
-        group.close()
-        finishing.join(10)
-        learner.close()
     (error,) = outcome
     # The SHUTDOWN was taken (no FinishTimeout, no note that the run never ended), then the
     # write was tried once more and its failure raised.
@@ -805,16 +807,9 @@ def test_writing_the_artifact_does_not_count_against_the_finish_timeout(
     out_dir = tmp_path / "learner-1"
     learner, group = started_learner(syncer, out_dir=out_dir)
     counted_saves(monkeypatch, lambda: time.sleep(2.0))
-    finishing, outcome = finish_in_thread(learner, 1.5)
-    try:
-        send_final_cut(group, 7, final_values(group.hello.layout.numels))
-        assert await_final_ack(group) == FinalAck(7)
-        group.control.send(Shutdown())
-        finishing.join(10)
-    finally:
-        group.close()
-        finishing.join(10)
-        learner.close()
+    values = final_values(group.hello.layout.numels)
+    with finishing_past_the_cut(learner, group, 1.5, values) as (_, outcome):
+        pass
     assert outcome == [None]
     assert (out_dir / STATE_FILE).exists()
 
