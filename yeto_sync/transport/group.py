@@ -328,6 +328,11 @@ class ConnectionGroups:
         group = self._groups.get(key)
         return {} if group is None else dict(group.data)
 
+    def sockets_of(self, key: GroupKey) -> list[ConnId]:
+        """Stream 0 and the data sockets of an admitted group (empty for an unknown group)."""
+        group = self._groups.get(key)
+        return [] if group is None else group.members()
+
     def socket_fields(self, conn: ConnId) -> dict[str, object]:
         """Log fields naming ``conn``: which socket it is and, once it has one, its group."""
         sock = self._sockets.get(conn)

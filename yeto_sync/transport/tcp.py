@@ -18,7 +18,9 @@ Every wait is bounded:
   inside a shielded cancel scope, so cancellation never leaves half a frame followed by more
   bytes; a write that makes no progress for ``stall_timeout`` seconds drops the group;
 - the driver's ``send`` never waits for a learner: it appends to the group's outbox, where a
-  newer BCAST of a fragment replaces one not queued yet; the group's own task cuts messages into
+  newer BCAST (or the final cut's FINAL_FRAGMENT) of a fragment replaces a BCAST not queued
+  yet, and a BCAST stays until the group's sockets wrote everything before it, so a slow link
+  is not spent on versions out of date before they leave; the group's own task cuts messages into
   frames for per-socket send queues of at most ``send_queue_bytes`` and waits for room
   (backpressure) as long as the socket keeps taking bytes, dropping that group once it took
   none for ``stall_timeout`` seconds;
@@ -54,7 +56,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from yeto_proto import AnyMessage, BcastFragment, ErrorMessage, Limits, encode
+from yeto_proto import AnyMessage, BcastFragment, ErrorMessage, FinalFragment, Limits, encode
 from yeto_proto.frames import Buffers, OutgoingBuffers
 
 from ..events import ConnId, Event, GroupKey
@@ -149,14 +151,26 @@ class SendQueue:
         self._bytes = 0
         self.closed = False
         self._changed = anyio.Event()
+        #: The writer took a frame and has not reported it written yet.
+        self._in_flight = False
+        #: Set as well at the next change (one waiter watching several queues).
+        self.also_notify: anyio.Event | None = None
 
     @property
     def queued_bytes(self) -> int:
         return self._bytes
 
+    @property
+    def idle(self) -> bool:
+        """Every frame given to this socket was written (or the queue is closed)."""
+        return self.closed or not (self._frames or self._in_flight)
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
+        if self.also_notify is not None:
+            self.also_notify.set()
+            self.also_notify = None
 
     async def put(self, frame: Outgoing, size: int) -> bool:
         """Queue a frame once there is room; False if the queue was closed instead.
@@ -187,8 +201,14 @@ class SendQueue:
             await self._changed.wait()
         frame, size = self._frames.popleft()
         self._bytes -= size
+        self._in_flight = True
         self._notify()
         return frame
+
+    def written(self) -> None:
+        """The writer finished the frame it took last."""
+        self._in_flight = False
+        self._notify()
 
     def close(self, *, last: Buffers | None = None, discard: bool) -> None:
         """No more frames: optionally drop those not yet started, then queue ``last``."""
@@ -289,9 +309,11 @@ class _Outbox:
         return self.done or not (self.pending or self.busy)
 
     def add(self, message: AnyMessage, progress: PayloadProgress | None) -> None:
-        if isinstance(message, BcastFragment):
-            # A learner keeps only the newest version of a fragment: an older BCAST that is
-            # still waiting here (none of its bytes queued) is dropped rather than sent.
+        if isinstance(message, BcastFragment | FinalFragment):
+            # A learner keeps only the newest version of a fragment, and the final cut
+            # overwrites the parameters whatever BCAST came before it (spec/learner.md § 7):
+            # an older BCAST that is still waiting here (none of its bytes queued) is dropped
+            # rather than sent.
             self.pending = deque(
                 item
                 for item in self.pending
@@ -495,7 +517,12 @@ class TcpTransport:
                     outbox.changed = anyio.Event()
                     with anyio.move_on_after(1.0):  # also notices a group that closed
                         await outbox.changed.wait()
-                message, progress = outbox.pending.popleft()
+                message, progress = outbox.pending[0]
+                if isinstance(message, BcastFragment) and not await self._sockets_idle(
+                    group, outbox
+                ):
+                    continue  # not yet: the outbox may have changed meanwhile, look again
+                outbox.pending.popleft()
                 outbox.busy = True
                 queued = await self._queue(group, message, progress)
                 outbox.busy = False
@@ -506,6 +533,29 @@ class TcpTransport:
             outbox.pending.clear()
             if self._outboxes.get(group) is outbox:
                 del self._outboxes[group]
+
+    async def _sockets_idle(self, group: GroupKey, outbox: _Outbox) -> bool:
+        """True when every socket of ``group`` has written all it was given; else wait until
+        one of them or the outbox changes (at most a second), and return False.
+
+        A BCAST is cut into frames only then: until its first byte can go out, a newer BCAST
+        of its fragment (or the final cut) may still replace it. Behind a slow link, frames
+        queued early were each a version out of date before they left (three 32 MiB BCASTs,
+        ~90 s each at 3 Mbit/s, after the learner's newest was committed).
+        """
+        queues = [
+            peer.queue
+            for conn in self.groups.sockets_of(group)
+            if (peer := self._peers.get(conn)) is not None
+        ]
+        if all(queue.idle for queue in queues):
+            return True
+        outbox.changed = anyio.Event()
+        for queue in queues:
+            queue.also_notify = outbox.changed
+        with anyio.move_on_after(1.0):  # also notices a group that closed
+            await outbox.changed.wait()
+        return False
 
     async def _queue(
         self, group: GroupKey, message: AnyMessage, progress: PayloadProgress | None
@@ -765,6 +815,7 @@ class TcpTransport:
                         scope.cancel()
                     await self._write_frame(peer.sock, frame, peer)
                 peer.frame_scope = None
+                peer.queue.written()
                 if scope.cancelled_caught:
                     return False
         except PayloadWithdrawn:
