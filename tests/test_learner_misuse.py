@@ -34,6 +34,7 @@ from yeto_learn import (
 )
 from yeto_learn import learner as learner_module
 from yeto_learn.learner import RUN_ID_FILE
+from yeto_learn.session import Phase
 from yeto_proto import ErrorCode
 
 
@@ -151,6 +152,28 @@ def test_a_learner_whose_rounds_stopped_says_so_in_its_log(
         text = record.getMessage()
         assert text.startswith(f"yeto learner 0: the syncer at {syncer.address} has pulled")
         assert "--quorum-timeout-s" in text and "learner_id 0" in text
+
+
+def test_a_learner_cut_off_from_its_syncer_does_not_blame_the_rounds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # While it redials (the loss is logged already) "its rounds may wait for a learner that
+    # left … see the syncer's log" pointed at a syncer that may be gone.
+    extra = ["--sync-interval-steps", "1000000"]
+    with one_learner(tmp_path, 8, extra) as (syncer, model, learner):
+        train_steps(learner, model, 30)
+        syncer.process.kill()
+        syncer.wait()
+        deadline = time.monotonic() + 10
+        while learner._leader_session().phase is Phase.CONNECTED:
+            assert time.monotonic() < deadline, "the learner never noticed the loss"
+            train_steps(learner, model, 1)
+            time.sleep(0.01)
+        with caplog.at_level(logging.WARNING, logger="yeto_learn"):
+            learner._last_pull_at -= learner._no_round_limit()
+            learner._no_round_check_at = 0.0
+            train_steps(learner, model, 3)
+        assert not [r for r in caplog.records if "pulled nothing" in r.getMessage()]
 
 
 def test_how_long_without_a_pull_is_unusual_follows_the_runs_own_pace() -> None:

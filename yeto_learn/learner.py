@@ -81,6 +81,7 @@ from .session import (
     ApplyFinal,
     Effect,
     LearnerSession,
+    Phase,
     SendMessage,
     ShutdownReceived,
     SyncerFailed,
@@ -564,6 +565,10 @@ class Learner:
         self._no_round_check_at = now + 1.0
         quiet = now - self._last_pull_at
         if quiet < self._no_round_limit() or now - self._no_round_warned_at < _NO_ROUND_REPEAT_S:
+            return
+        if self._leader_session().phase is not Phase.CONNECTED:
+            # Cut off from the syncer: the client logged the loss ("lost the syncer …
+            # redialing") and fails when its redial deadline passes; no round could reach us.
             return
         self._no_round_warned_at = now
         _log.warning(
