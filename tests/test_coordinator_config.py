@@ -154,3 +154,20 @@ def test_enum_flags_are_normalized() -> None:
     assert config.delta_correction is DeltaCorrection.NONE
     assert config.learner_weight is LearnerWeight.EQUAL
     assert config.iso_backend is IsoBackend.TORCH_SVD
+
+
+def test_settings_accepted_but_rarely_meant_are_named() -> None:
+    assert SyncerConfig(learners=2, total_steps=9).doubtful_settings() == []
+    doubts = SyncerConfig(
+        learners=2, total_steps=9, outer_momentum=1.5, outer_lr=-1.0, quorum=3, pipeline=0
+    ).doubtful_settings()
+    assert [doubt.split(" ", 2)[:2] for doubt in doubts] == [
+        ["--outer-momentum", "1.5"],
+        ["--outer-lr", "-1"],
+        ["--quorum", "3"],
+        ["--pipeline", "0"],
+    ]
+    assert (
+        "leaves the model as it is"
+        in SyncerConfig(learners=1, total_steps=1, outer_lr=0.0).doubtful_settings()[0]
+    )

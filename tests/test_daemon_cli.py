@@ -172,6 +172,22 @@ def test_a_checkpoint_no_hello_could_resume_is_refused_at_start(tmp_path: Path, 
     assert words in line
 
 
+def test_doubtful_settings_start_with_a_warning_each(tmp_path: Path) -> None:
+    """The pinned command line takes them (a drop-in refuses nothing the reference takes), but
+    --outer-momentum 1.5 trained a worse model without a word."""
+    checkpoint = tmp_path / "ckpt"
+    write_checkpoint(checkpoint, make_checkpoint(global_step=5))
+    write_final_marker(checkpoint, 5)
+    flags = ["--learners=1", "--total-steps=4", "--outer-momentum=1.5"]
+    with Daemon(*flags, f"--checkpoint-path={checkpoint}", "--resume") as daemon:
+        wait_until(lambda: "listening" in daemon.stderr, 10, "the listening log line")
+        warnings = [line for line in daemon.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 3, warnings
+    assert "--outer-momentum 1.5 is outside [0, 1)" in warnings[0]
+    assert "at global_step 5, at or past --total-steps 4" in warnings[1]
+    assert "the run of this checkpoint had finished" in warnings[2]
+
+
 @pytest.mark.parametrize("signals", [1, 2])
 def test_a_signal_right_after_the_ready_line_stops_cleanly(signals: int) -> None:
     """The handlers are in place before the ready line; a second signal only says so."""

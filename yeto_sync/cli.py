@@ -326,6 +326,24 @@ def load_resume_checkpoint(config: SyncerConfig) -> Checkpoint | None:
     return checkpoint
 
 
+def log_doubts(config: SyncerConfig, checkpoint: Checkpoint | None) -> None:
+    """Warn about settings that are accepted but rarely meant, before the daemon serves."""
+    doubts = config.doubtful_settings()
+    if checkpoint is not None and config.checkpoint_path is not None:
+        if checkpoint.global_step >= config.total_steps:
+            doubts.append(
+                f"the checkpoint is at global_step {checkpoint.global_step}, at or past "
+                f"--total-steps {config.total_steps}: no round runs, the final cut is taken as "
+                "soon as the session starts"
+            )
+        marker = marker_path(config.checkpoint_path)
+        if marker.exists():
+            doubts.append(f"{marker} exists: the run of this checkpoint had finished")
+    log = KeyValueLog(sys.stderr)
+    for doubt in doubts:
+        log("warning", doubt, {})
+
+
 @functools.cache
 def _stop_signals() -> tuple[signal.Signals, ...]:
     """Each stops the daemon the same way; decided once, before its own handlers go in."""
@@ -385,6 +403,7 @@ def _start_and_serve(args: argparse.Namespace) -> int:
         hello_key = load_hello_key(config)
         check_output_paths(config)
         checkpoint = load_resume_checkpoint(config)
+        log_doubts(config, checkpoint)
         iso_pool = start_iso_pool(config)
         try:
             coordinator = Coordinator(

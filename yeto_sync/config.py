@@ -132,6 +132,30 @@ class SyncerConfig:
         """``max(--pipeline, 1)``; the coordinator also caps it at the fragment count."""
         return max(self.pipeline, 1)
 
+    def doubtful_settings(self) -> list[str]:
+        """Settings the pinned command line accepts (a drop-in refuses no value the reference
+        syncer takes) that rarely mean what was meant: each is worth a warning at start."""
+        doubts = []
+        if not 0 <= self.outer_momentum < 1:
+            doubts.append(
+                f"--outer-momentum {self.outer_momentum:g} is outside [0, 1): the outer "
+                "momentum buffer grows (or flips sign) every round instead of averaging"
+            )
+        if self.outer_lr <= 0:
+            doubts.append(
+                f"--outer-lr {self.outer_lr:g} is not positive: the outer step "
+                + ("leaves the model as it is" if self.outer_lr == 0 else "moves the model away")
+                + " from the learners' progress"
+            )
+        if self.quorum > self.learners:
+            doubts.append(
+                f"--quorum {self.quorum} is above --learners {self.learners}: every round "
+                "waits for all the learners it captured (K = min(--quorum, captured))"
+            )
+        if self.pipeline < 1:
+            doubts.append(f"--pipeline {self.pipeline} runs as 1 (one round in flight)")
+        return doubts
+
     def profile(self) -> SyncerProfile:
         """The semantic profile a profile-bound HELLO must carry the digest of."""
         return SyncerProfile(
