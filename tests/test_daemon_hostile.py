@@ -125,7 +125,13 @@ CASES: list[tuple[str, Callable[[], bytes], bool, str, str]] = [
         "",
     ),
     ("closed mid-frame", lambda: hello()[:30], True, "CONNECTION_CLOSED_MID_FRAME", ""),
-    ("learner id out of range", lambda: hello(learner_id=1), False, "LEARNER_ID_OUT_OF_RANGE", ""),
+    (
+        "learner id out of range",
+        lambda: hello(learner_id=1),
+        False,
+        "LEARNER_ID_OUT_OF_RANGE",
+        "LEARNER_ID_OUT_OF_RANGE: HELLO: learner_id 1 outside 0..0 (M = 1)",
+    ),
     (
         "mismatched layout",
         lambda: hello(layout=WireLayout((WireFragment(MergeMode.AVG, (50_000, 64)),))),

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -245,6 +246,30 @@ def test_a_signed_hello_refused_by_a_syncer_without_the_key_says_so(tmp_path: Pa
             while time.monotonic() < deadline:
                 train_steps(learner, model, 1)
     assert "HELLO authentication failed" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "refusal, hinted",
+    [
+        ("TOO_MANY_STREAMS: HELLO: > 256", True),
+        ("BAD_HELLO_TAIL: HELLO: after the contract exactly 2 or 34 bytes must remain", True),
+        ("SESSION_LAYOUT_MISMATCH: HELLO layout differs from the session", False),
+        ("LEARNER_ID_OUT_OF_RANGE: HELLO: learner_id 2 outside 0..1 (M = 2)", False),
+        ("HELLO authentication failed: HELLO MAC does not verify", False),
+    ],
+)
+def test_only_a_refusal_a_misread_mac_can_cause_asks_about_the_key(
+    refusal: str, hinted: bool
+) -> None:
+    # The key hint was added to every refusal of a signed HELLO (a layout or learner id
+    # mismatch with the right key too), sending users after the wrong setting.
+    learner = Learner.__new__(Learner)
+    learner.syncer_address = "127.0.0.1:29400"
+    learner._applied = 0
+    learner._client = SimpleNamespace(config=SimpleNamespace(hello_key=b"k"))  # type: ignore[assignment]
+    text = str(learner._refused(refusal))
+    assert refusal in text
+    assert ("signs its HELLO with a key" in text) is hinted
 
 
 def test_a_text_hello_key_is_its_utf8_bytes(tmp_path: Path) -> None:

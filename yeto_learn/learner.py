@@ -874,9 +874,9 @@ class Learner:
 
     def _refused(self, text: str) -> SyncerRefused:
         signed = self._client is not None and self._client.config.hello_key is not None
-        if signed and not self._applied and not text.startswith("HELLO authentication failed"):
+        if signed and not self._applied and text.startswith(_MISREAD_MAC_REFUSALS):
             # A syncer without the key reads the MAC as part of the HELLO and refuses it for
-            # whatever that breaks (TOO_MANY_STREAMS, a bad tail, …), never for the key.
+            # what that breaks (the MAC read as the HELLO's tail), never for the key.
             text += (
                 " (this learner signs its HELLO with a key: was the syncer started with the "
                 "same --hello-hmac-key-file or YETO_ISLAND_HMAC_KEY?)"
@@ -1067,6 +1067,17 @@ def _failure_text(exc: BaseException) -> str:
 
 
 _NON_FINITE_PREFIX = f"{ErrorCode.NON_FINITE_VALUE.value}: "
+#: What a syncer without the HELLO key makes of the 32-byte MAC after a signed HELLO's tail:
+#: a tail of the wrong length, a stream count or a profile hash taken from the MAC's bytes.
+_MISREAD_MAC_REFUSALS = tuple(
+    f"{code.value}: "
+    for code in (
+        ErrorCode.BAD_HELLO_TAIL,
+        ErrorCode.TOO_MANY_STREAMS,
+        ErrorCode.SESSION_PROFILE_MISMATCH,
+        ErrorCode.TRUNCATED_PAYLOAD,
+    )
+)
 
 
 @contextlib.contextmanager

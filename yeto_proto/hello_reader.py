@@ -23,7 +23,7 @@ from .constants import DIGEST_SIZE, MAX_STREAMS, PROTOCOL_VERSION, MergeMode, Wi
 from .errors import ErrorCode, RemoteProtocolError
 from .layout import WireFragment, WireLayout
 from .messages import BytesLike, Hello
-from .schema import MAX_FRAGMENT_NUMEL
+from .schema import MAX_FRAGMENT_NUMEL, learner_out_of_range
 
 _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
@@ -124,7 +124,10 @@ class HelloReading:
             raise _refuse(ErrorCode.UNSUPPORTED_VERSION, "protocol_version is not 4")
         self._learner_id = cursor.take(_U32)
         if num_learners is not None and self._learner_id >= num_learners:
-            raise _refuse(ErrorCode.LEARNER_ID_OUT_OF_RANGE, "learner_id outside 0..M-1")
+            raise _refuse(
+                ErrorCode.LEARNER_ID_OUT_OF_RANGE,
+                learner_out_of_range(self._learner_id, num_learners),
+            )
         self._generation = cursor.take(_U64)
         if self._generation == 0:
             raise _refuse(ErrorCode.ZERO_GENERATION, "generation 0")

@@ -74,10 +74,16 @@ class CodedConstructError(ConstructError):  # type: ignore[misc]
 
 
 class Require(Construct):  # type: ignore[misc]
-    """A zero-width validator: ``predicate(context, bytes_remaining)`` or raise ``code``."""
+    """A zero-width validator: ``predicate(context, bytes_remaining)`` or raise ``code`` with
+    ``message`` (a text, or a function of the context naming the values at fault)."""
 
     def __init__(
-        self, predicate: Predicate, code: ErrorCode, message: str, *, parse_only: bool = False
+        self,
+        predicate: Predicate,
+        code: ErrorCode,
+        message: str | Callable[[Any], str],
+        *,
+        parse_only: bool = False,
     ) -> None:
         super().__init__()
         self.predicate = predicate
@@ -86,14 +92,18 @@ class Require(Construct):  # type: ignore[misc]
         self.message = message
         self.flagbuildnone = True
 
+    def _error(self, context: Any) -> CodedConstructError:
+        text = self.message if isinstance(self.message, str) else self.message(context)
+        return CodedConstructError(self.code, text)
+
     def _parse(self, stream: io.BytesIO, context: Any, path: str) -> None:
         if not self.predicate(context, _remaining(stream)):
-            raise CodedConstructError(self.code, self.message)
+            raise self._error(context)
 
     def _build(self, obj: Any, stream: io.BytesIO, context: Any, path: str) -> Any:
         # While building, "bytes remaining" has no meaning; only field checks apply.
         if not self.parse_only and not self.predicate(context, _U64_MAX):
-            raise CodedConstructError(self.code, self.message)
+            raise self._error(context)
         return obj
 
     def _sizeof(self, context: Any, path: str) -> int:
@@ -137,6 +147,15 @@ def _fits(per_item: int, count: Callable[[Any], int]) -> Predicate:
 def _learner_in_range(ctx: Any, _remaining: int) -> bool:
     limit = ctx._params.get("num_learners")
     return limit is None or ctx.learner_id < limit
+
+
+def learner_out_of_range(learner_id: int, num_learners: int) -> str:
+    """The refusal text of a learner id outside ``0..M-1`` (shared with the HELLO reader)."""
+    return f"learner_id {learner_id} outside 0..{num_learners - 1} (M = {num_learners})"
+
+
+def _learner_out_of_range(ctx: Any) -> str:
+    return learner_out_of_range(ctx.learner_id, ctx._params["num_learners"])
 
 
 def _iso_shapes_cover(ctx: Any, _remaining: int) -> bool:
@@ -198,7 +217,7 @@ HelloPayload = Struct(
         "protocol_version is not 4",
     ),
     "learner_id" / Int32ul,
-    Require(_learner_in_range, ErrorCode.LEARNER_ID_OUT_OF_RANGE, "learner_id outside 0..M-1"),
+    Require(_learner_in_range, ErrorCode.LEARNER_ID_OUT_OF_RANGE, _learner_out_of_range),
     "connection_generation" / Int64ul,
     Require(lambda c, _: c.connection_generation != 0, ErrorCode.ZERO_GENERATION, "generation 0"),
     "dtype" / Int8ul,
@@ -234,7 +253,7 @@ DataHelloPayload = Struct(
         "protocol_version is not 4",
     ),
     "learner_id" / Int32ul,
-    Require(_learner_in_range, ErrorCode.LEARNER_ID_OUT_OF_RANGE, "learner_id outside 0..M-1"),
+    Require(_learner_in_range, ErrorCode.LEARNER_ID_OUT_OF_RANGE, _learner_out_of_range),
     "connection_generation" / Int64ul,
     Require(lambda c, _: c.connection_generation != 0, ErrorCode.ZERO_GENERATION, "generation 0"),
     "stream_idx" / Int16ul,
