@@ -272,6 +272,40 @@ def test_only_a_refusal_a_misread_mac_can_cause_asks_about_the_key(
     assert ("signs its HELLO with a key" in text) is hinted
 
 
+def test_a_contract_mismatch_says_what_the_contract_covers_and_that_the_session_stays(
+    tmp_path: Path,
+) -> None:
+    # One learner started with num_learners=3 fixed the session of a --learners 2 syncer; the
+    # right ones were refused with only "the run id or the experiment settings" to go on.
+    with running_syncer(tmp_path / "syncer", learners=2, total_steps=2) as syncer:
+        wrong_failed: list[BaseException] = []
+
+        def wrong() -> None:
+            try:
+                Learner(small_model(), syncer=syncer.address, learner_id=1, num_learners=3,
+                        fragments=2, run_id="r", connect_timeout=3)  # fmt: skip
+            except BaseException as exc:  # it waits for learner 0, then gives up
+                wrong_failed.append(exc)
+
+        first = threading.Thread(target=wrong)
+        first.start()
+        try:
+            deadline = time.monotonic() + 20
+            while "group admitted" not in syncer.log.read_text(encoding="utf-8"):
+                assert time.monotonic() < deadline, "the first learner was never admitted"
+                time.sleep(0.05)
+            with pytest.raises(SyncerRefused) as refused:
+                Learner(small_model(), syncer=syncer.address, learner_id=0, num_learners=2,
+                        fragments=2, run_id="r", connect_timeout=10)  # fmt: skip
+        finally:
+            first.join(30)
+    text = str(refused.value)
+    assert "SESSION_CONTRACT_MISMATCH" in text and "fixed by learner 1's HELLO" in text
+    assert "the session stays fixed until yeto-sync restarts" in text
+    assert "this learner's contract covers run_id='r', fragments=2" in text
+    assert "num_learners=2" in text
+
+
 def test_a_text_hello_key_is_its_utf8_bytes(tmp_path: Path) -> None:
     key = "a shared secret"
     key_file = tmp_path / "hello.key"

@@ -393,6 +393,8 @@ class Learner:
         self.is_leader = self._link.is_leader
         self.run_id = ""
         self.contract = b""
+        #: What this learner's contract covers besides the layout and dtype, for a refusal.
+        self._contract_inputs = ""
         self._session: LearnerSession | None = None
         self._client: SyncerClient | None = None
         self._client_closed = False
@@ -437,6 +439,11 @@ class Learner:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
             self.contract = session_contract(
                 self.layout, self.dtype, run_id=self.run_id, experiment=identity
+            )
+            self._contract_inputs = ", ".join(
+                f"{name}={value!r}"
+                for name, value in {"run_id": self.run_id, **identity}.items()
+                if value != {}
             )
             wire = self.layout.wire()
             fingerprint = self.layout.fingerprint()
@@ -881,6 +888,9 @@ class Learner:
                 " (this learner signs its HELLO with a key: was the syncer started with the "
                 "same --hello-hmac-key-file or YETO_ISLAND_HMAC_KEY?)"
             )
+        if text.startswith(f"{ErrorCode.SESSION_CONTRACT_MISMATCH.value}: "):
+            # The syncer holds only a hash: say what went into ours, to compare across learners.
+            text += f" (this learner's contract covers {self._contract_inputs})"
         return SyncerRefused(self.syncer_address, text)
 
     def _carry_out(self, effect: Effect) -> Apply | None:

@@ -86,7 +86,8 @@ class SessionIdentity:
             return Refusal(
                 ErrorCode.SESSION_CONTRACT_MISMATCH,
                 f"HELLO session contract differs from {fixed} (for yeto learners: the run id or "
-                "the experiment settings)",
+                "the experiment settings, num_learners included); the session stays fixed until "
+                "yeto-sync restarts",
             )
         theirs = None if hello.profile_hash is None else bytes(hello.profile_hash)
         if theirs != self.profile_hash:
