@@ -546,6 +546,8 @@ def test_a_learner_behind_a_busy_link_gets_the_newest_bcast_not_every_version(
 
 def test_the_final_cut_replaces_a_bcast_of_its_fragment_that_has_not_started() -> None:
     outbox = _Outbox()
+    outbox.add(bcast(1), None)
+    assert outbox.take()[0] == bcast(1)  # the group's first BCAST of fragment 0 went out
     outbox.add(bcast(3), None)
     outbox.add(BcastFragment(1, 3, memoryview(bytes(256))), None)
     final = FinalFragment(0, 3, bcast(3).data)
@@ -554,6 +556,17 @@ def test_the_final_cut_replaces_a_bcast_of_its_fragment_that_has_not_started() -
         BcastFragment(1, 3, memoryview(bytes(256))),
         final,
     ]
+
+
+def test_the_final_cut_never_replaces_the_groups_first_bcast_of_a_fragment() -> None:
+    # A learner starts only once it holds a BCAST of every fragment (spec/learner.md § 3): a
+    # slow learner still downloading fragment 0 when the cut came never got fragment 1's.
+    outbox = _Outbox()
+    first = BcastFragment(1, 0, memoryview(bytes(256)))
+    outbox.add(first, None)
+    final = FinalFragment(1, 3, memoryview(bytes(256)))
+    outbox.add(final, None)
+    assert [message for message, _ in outbox.pending] == [first, final]
 
 
 def test_a_flood_of_small_frames_never_queues_more_events_than_the_backlog_cap() -> None:
@@ -800,12 +813,15 @@ def test_shutdown_ends_within_its_grace_when_a_learner_stopped_reading() -> None
     # Its flush waited the grace twice and then up to 1 s more: 10.5 s for a 5 s grace.
     grace = 1.0
     exit_at: list[float] = []
+    # Built beforehand: making 234 MB of arrays inside the timed span took up to 0.9 s on a
+    # loaded machine, and the test measures the stop.
+    bcasts = [bcast(v) for v in range(1, 40)]  # more than its queue and socket buffers hold
 
     class Coordinator(Stand_in):
         def handle(self, event: Event, now: float) -> list[Action]:
-            if isinstance(event, GroupReady):  # more than its queue and socket buffers hold
+            if isinstance(event, GroupReady):
                 exit_at.append(time.monotonic())
-                return [*(Send(event.group, bcast(v)) for v in range(1, 40)), Exit(0, "bye")]
+                return [*(Send(event.group, message) for message in bcasts), Exit(0, "bye")]
             return super().handle(event, now)
 
     async def scenario() -> float:

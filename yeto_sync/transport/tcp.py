@@ -302,6 +302,8 @@ class _Outbox:
     busy: bool = False
     #: Set once nothing more is fed: the group closed, a queue stalled, or shutdown.
     done: bool = False
+    #: Fragments of which a BCAST was taken to be sent: the learner has (or will have) one.
+    bcast_sent: set[int] = field(default_factory=set)
 
     @property
     def settled(self) -> bool:
@@ -309,11 +311,14 @@ class _Outbox:
         return self.done or not (self.pending or self.busy)
 
     def add(self, message: AnyMessage, progress: PayloadProgress | None) -> None:
-        if isinstance(message, BcastFragment | FinalFragment):
-            # A learner keeps only the newest version of a fragment, and the final cut
-            # overwrites the parameters whatever BCAST came before it (spec/learner.md § 7):
-            # an older BCAST that is still waiting here (none of its bytes queued) is dropped
-            # rather than sent.
+        # A learner keeps only the newest version of a fragment: an older BCAST that is still
+        # waiting here (none of its bytes queued) is dropped rather than sent. The final cut
+        # overwrites the parameters whatever BCAST came before it (spec/learner.md § 7), but a
+        # learner starts only once it holds a BCAST of every fragment: the group's first one
+        # of a fragment is never dropped for it.
+        if isinstance(message, BcastFragment | FinalFragment) and (
+            isinstance(message, BcastFragment) or message.fragment_id in self.bcast_sent
+        ):
             self.pending = deque(
                 item
                 for item in self.pending
@@ -324,6 +329,13 @@ class _Outbox:
             )
         self.pending.append((message, progress))
         self.changed.set()
+
+    def take(self) -> tuple[AnyMessage, PayloadProgress | None]:
+        """The next message to cut into frames."""
+        message, progress = self.pending.popleft()
+        if isinstance(message, BcastFragment):
+            self.bcast_sent.add(message.fragment_id)
+        return message, progress
 
 
 def _address_text(address: object) -> str:
@@ -522,7 +534,7 @@ class TcpTransport:
                     group, outbox
                 ):
                     continue  # not yet: the outbox may have changed meanwhile, look again
-                outbox.pending.popleft()
+                outbox.take()
                 outbox.busy = True
                 queued = await self._queue(group, message, progress)
                 outbox.busy = False
