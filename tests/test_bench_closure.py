@@ -313,6 +313,22 @@ def test_a_closed_stdout_does_not_stop_the_bench(tmp_path: Path) -> None:
     assert (out / EXPORT_FILE).is_file()
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_stdout_that_cannot_be_written_ends_the_bench_with_one_line(tmp_path: Path) -> None:
+    """`yeto bench > /dev/full`: not a reader gone but a failed write (a full disk)."""
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "yeto_learn.cli", "bench", "--out", str(tmp_path / "b"),
+             "--budget", "20", "--fragments", "2", "--batch-size", "8"],
+            cwd=REPO, env=child_env(), stdout=full, stderr=subprocess.PIPE, text=True,
+            timeout=120,
+        )  # fmt: skip
+    assert (result.returncode, result.stderr) == (
+        1,
+        "yeto bench: cannot write the output: No space left on device\n",
+    )
+
+
 def test_sigterm_stops_the_bench_and_its_syncer(tmp_path: Path) -> None:
     out = tmp_path / "stopped"
     syncers: list[int] = []

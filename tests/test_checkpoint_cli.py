@@ -193,6 +193,47 @@ def test_a_closed_stdout_ends_quietly_with_141(files: dict[str, Path]) -> None:
     assert (done.returncode, done.stderr) == (141, "")
 
 
+def to_a_full_disk(*argv: str | Path) -> subprocess.CompletedProcess[str]:
+    """``yeto ARGV > /dev/full``: every write to stdout fails with ENOSPC, as on a full disk."""
+    with open("/dev/full", "w") as full:
+        return subprocess.run(
+            [sys.executable, "-m", "yeto_learn.cli", *map(str, argv)],
+            cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=60,
+        )  # fmt: skip
+
+
+NO_SPACE = "cannot write the output: No space left on device\n"
+needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+
+
+@needs_dev_full
+@pytest.mark.parametrize("extra", [[], ["--json"]], ids=["text", "json"])
+def test_an_inspect_that_cannot_be_written_is_one_line_and_exit_1(
+    files: dict[str, Path], extra: list[str]
+) -> None:
+    """The text fits stdout's buffer (it fails in the last flush), the JSON does not."""
+    done = to_a_full_disk("checkpoint", "inspect", files["v3"], *extra)
+    assert (done.returncode, done.stderr) == (1, f"yeto checkpoint inspect: {NO_SPACE}")
+
+
+@needs_dev_full
+def test_an_export_whose_message_cannot_be_written_is_one_line_and_exit_1(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "model.safetensors"
+    done = to_a_full_disk(
+        "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
+    )
+    assert (done.returncode, done.stderr) == (1, f"yeto checkpoint export: {NO_SPACE}")
+    assert out.is_file()  # the export itself was written; only its message was not
+
+
+@needs_dev_full
+def test_help_that_cannot_be_written_is_one_line_and_exit_1() -> None:
+    done = to_a_full_disk("checkpoint", "inspect", "--help")
+    assert (done.returncode, done.stderr) == (1, f"yeto: {NO_SPACE}")
+
+
 def test_usage_errors_exit_2_and_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert main(["checkpoint"]) == 2

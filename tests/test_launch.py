@@ -166,6 +166,22 @@ def test_a_closed_stdout_does_not_stop_the_run(tmp_path: Path) -> None:
     assert json.loads((out / "summary.json").read_text())["learners"] == 1
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_stdout_that_cannot_be_written_ends_the_run_with_one_line(tmp_path: Path) -> None:
+    """`yeto launch > /dev/full`: not a reader gone but a failed write (a full disk)."""
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [*LAUNCH, "--learners", "1", "--steps", "64", "--fragments", "2",
+             "--streams", "0", "--out", str(tmp_path / "run")],
+            cwd=REPO, env=child_env(), stdout=full, stderr=subprocess.PIPE, text=True,
+            timeout=90,
+        )  # fmt: skip
+    assert (result.returncode, result.stderr) == (
+        1,
+        "yeto launch: cannot write the output: No space left on device\n",
+    )
+
+
 def _catches(pid: int, signum: int) -> bool:
     """Whether process ``pid`` has its own handler for ``signum`` (Linux /proc)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

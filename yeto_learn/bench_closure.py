@@ -14,7 +14,8 @@ One command runs what spec/closure.md describes:
    the F rounds — and only then exports the marked checkpoint to safetensors.
 
 It prints the budget, C, F, the tape check and the export path. Exit status: 0 when the closure
-completed and was exported, 1 when any step of it failed (nothing is exported), 2 for bad flags
+completed and was exported, 1 when any step of it failed (nothing is exported) or stdout cannot
+be written (a full disk: one line, ``yeto bench: cannot write the output: …``), 2 for bad flags
 or an output directory that cannot be made or is not empty, 128 + n when signal n (SIGINT,
 SIGTERM, SIGHUP) stopped it: its syncers are stopped first, and a syncer outlives no bench
 (Linux). If nobody reads its stdout any more (``yeto bench | head -1``), the closure goes on

@@ -33,6 +33,8 @@ from yeto_proto.checkpoint import (
 from yeto_proto.constants import DIGEST_SIZE, IsoBackend
 from yeto_proto.errors import CheckpointError, ErrorCode
 
+from . import output
+
 if TYPE_CHECKING:
     from yeto_proto.checkpoint import ExportedTensors
 
@@ -205,7 +207,7 @@ def _or_none(value: str | None) -> str:
 
 def run_inspect(args: argparse.Namespace) -> int:
     info = describe(args.path)
-    print(json.dumps(info, indent=2) if args.json else render_text(info))
+    output.out(json.dumps(info, indent=2) if args.json else render_text(info))
     return 0
 
 
@@ -241,7 +243,7 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"{args.command_prog}: error: {exc}", file=sys.stderr)
         return EXIT_WRITE_FAILED
     total = sum(t.size for t in exported.tensors.values())
-    print(f"exported {len(exported.tensors)} tensors ({total} values) to {out}")
+    output.out(f"exported {len(exported.tensors)} tensors ({total} values) to {out}")
     return 0
 
 

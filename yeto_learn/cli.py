@@ -6,23 +6,31 @@ Adding ``yeto launch`` or ``yeto bench`` is one more entry in :data:`SUBCOMMANDS
 heavy dependencies (torch) inside their handlers, so ``yeto --help`` stays fast.
 
 Exit codes: 0 success; 2 bad input (usage, or a file that failed validation: one line on stderr
-naming the file, the section and the reason); 1 when an output cannot be written (a full disk);
+naming the file, the section and the reason); 1 when an output cannot be written (a full disk),
+stdout included (``yeto checkpoint inspect: cannot write the output: No space left on device``);
 141 when the reader of stdout went away.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn, TypeAlias
+from typing import TYPE_CHECKING, NoReturn, TypeAlias, cast
 
 from yeto_proto.errors import ProtocolError
 
 from . import bench_closure, checkpoint_cli, launch
+from .output import OutputFailed, flush_stdout, stdout_writes
 from .process_control import divert_closed_stdout, exit_process
 
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
+
 EXIT_OK = 0
+#: stdout (or another output) could not be written.
+EXIT_OUTPUT_FAILED = 1
 EXIT_BAD_INPUT = 2
 #: 128 + SIGPIPE, as a shell reports a command killed by a closed pipe.
 EXIT_BROKEN_PIPE = 141
@@ -37,11 +45,21 @@ SUBCOMMANDS: tuple[Callable[[Commands], None], ...] = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that a help text or usage line that cannot be written raises (argparse
+    drops the OSError: ``yeto --help > /dev/full`` would print nothing and exit 0)."""
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        if message:
+            (file or sys.stderr).write(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="yeto", description="YETO v4 learners, benchmarks and checkpoint tools."
+    parser = _Parser(prog="yeto", description="YETO v4 learners, benchmarks and checkpoint tools.")
+    # Every subcommand's parser (and theirs) is a _Parser too: argparse makes them of its type.
+    commands = cast(
+        "Commands", parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for register in SUBCOMMANDS:
         register(commands)
     return parser
@@ -61,24 +79,48 @@ def chosen_parser(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    prog = parser.prog
     try:
-        args, unknown = parser.parse_known_args(argv)
-        if unknown:  # argparse would report them with the top-level usage, not the command's
-            chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
-    except SystemExit as exc:  # argparse exits on --help (0) and usage errors (2)
-        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+        try:
+            with stdout_writes():  # --help
+                args, unknown = parser.parse_known_args(argv)
+                if unknown:  # argparse would report them with the top-level usage
+                    chosen_parser(parser, args).error(
+                        f"unrecognized arguments: {' '.join(unknown)}"
+                    )
+        except SystemExit as exc:  # argparse exits on --help (0) and usage errors (2)
+            code = exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+        else:
+            # Subcommands set ``command_prog`` (e.g. "yeto checkpoint inspect") for error lines.
+            prog = getattr(args, "command_prog", prog)
+            code = _handle(args, prog)
+        flush_stdout()
+        return code
+    except BrokenPipeError:
+        # Whoever read stdout went away (`yeto checkpoint inspect … | head -1`): stop quietly.
+        _give_up_stdout()
+        return EXIT_BROKEN_PIPE
+    except OutputFailed as exc:
+        print(f"{prog}: cannot write the output: {exc.reason}", file=sys.stderr)
+        _give_up_stdout()
+        return EXIT_OUTPUT_FAILED
+
+
+def _handle(args: argparse.Namespace, prog: str) -> int:
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
     except ProtocolError as exc:
-        # Subcommands set ``command_prog`` (e.g. "yeto checkpoint inspect") for this line.
-        prog = getattr(args, "command_prog", parser.prog)
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except BrokenPipeError:
-        # Whoever read stdout went away (`yeto checkpoint inspect … | head -1`): stop quietly.
+
+
+def _give_up_stdout() -> None:
+    """stdout failed: point it at the null device, so that what it still buffers does not fail
+    again (with a traceback) in the interpreter's last flush. In-process (tests), stdout may
+    have no file descriptor: nothing to do then."""
+    with contextlib.suppress(OSError, ValueError):
         divert_closed_stdout()
-        return EXIT_BROKEN_PIPE
 
 
 def entry() -> NoReturn:

@@ -24,6 +24,8 @@ from typing import NoReturn
 
 from yeto_sync.stop_signals import stop_signals
 
+from .output import OutputFailed
+
 
 @functools.cache
 def parent_death_signal() -> Callable[[], None] | None:
@@ -101,7 +103,8 @@ def say(text: str) -> None:
     """A line on stdout; once nobody reads stdout any more, on stderr instead.
 
     A closed stdout (``yeto launch … | head -1``, a dropped ssh pipe) must not abort a run:
-    it goes on, and its status lines go to stderr from then on.
+    it goes on, and its status lines go to stderr from then on. Any other failed write (a full
+    disk under ``> file``) raises :class:`~yeto_learn.output.OutputFailed`.
     """
     global _stdout_gone
     if not _stdout_gone:
@@ -111,6 +114,8 @@ def say(text: str) -> None:
         except BrokenPipeError:
             _stdout_gone = True
             divert_closed_stdout()
+        except OSError as exc:  # not a reader gone but a write failed (a full disk): the end
+            raise OutputFailed(exc) from None
     print(text, file=sys.stderr, flush=True)
 
 
