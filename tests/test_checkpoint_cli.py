@@ -150,6 +150,24 @@ def test_inspect_text_output(capsys: pytest.CaptureFixture[str], files: dict[str
     assert "global step   4" in out and "ledger        2 entries" in out
 
 
+def test_the_ledger_columns_say_they_sum_merged_pushes(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path]
+) -> None:
+    """Σ c_steps counts a local step once per fragment, and again where windows overlap: a
+    column headed "steps" read as the learner's step count (16334 for 4737 steps)."""
+    code, out, _ = run(capsys, "checkpoint", "inspect", files["v3"])
+    assert code == 0
+    lines = out.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("ledger")))
+    assert "not" in lines[header] and "totals" in lines[header], lines[header]
+    columns = lines[header + 1]
+    for title in ("learner", "merged PUSHes", "Σ c_steps", "Σ c_tokens"):
+        assert title in columns, columns
+    assert lines[header + 2].split() == ["0", "4", "96", "12288"]
+    code, out, _ = run(capsys, "checkpoint", "inspect", "--help")
+    assert "merged PUSH" in " ".join(out.split()) and "c_steps" in out
+
+
 @pytest.mark.parametrize("cut", [0, 3, 60, 200])
 def test_a_corrupt_file_is_one_line_and_exit_2(
     capsys: pytest.CaptureFixture[str], files: dict[str, Path], cut: int

@@ -45,6 +45,13 @@ EXIT_WRITE_FAILED = 1
 ISO_BACKEND_NAMES = {iso_backend_name(backend): backend for backend in IsoBackend}
 SAFETENSORS_SUFFIXES = frozenset({".safetensors"})
 TORCH_SUFFIXES = frozenset({".pt", ".pth"})
+#: What the ledger's numbers are (``--help``); the JSON keys are the file format's names.
+LEDGER_NOTE = (
+    "The ledger holds per learner the number of its merged PUSHes (JSON 'merges') and the sums "
+    "of their c_steps ('steps') and c_tokens ('tokens'); a PUSH's window runs from the "
+    "learner's last applied BCAST of its fragment, so a local step counts once per fragment "
+    "and again where windows overlap: these are not the learner's step or token totals."
+)
 _TRAILER_NAMES = {
     TrailerKind.NONE: "none",
     TrailerKind.FINGERPRINT: "fingerprint",
@@ -58,7 +65,12 @@ def register(commands: Commands) -> None:
     )
     actions = checkpoint.add_subparsers(dest="action", metavar="ACTION", required=True)
 
-    inspect = actions.add_parser("inspect", help="print what a checkpoint holds")
+    inspect = actions.add_parser(
+        "inspect",
+        help="print what a checkpoint holds",
+        description="Print what a checkpoint holds: format, identity, global step, final "
+        f"marker, each fragment's version, and the ledger. {LEDGER_NOTE}",
+    )
     inspect.add_argument("path", type=Path, metavar="PATH")
     inspect.add_argument("--json", action="store_true", help="one JSON object instead of text")
     inspect.set_defaults(handler=run_inspect, command_prog=inspect.prog)
@@ -190,13 +202,16 @@ def render_text(info: dict[str, Any]) -> str:
         lines.append(
             f"  {fragment['id']:<6} {fragment['version']:>9} {fragment['numel']:>14}{flag}"
         )
-    lines.append(f"ledger        {len(info['ledger'])} entries")
+    lines.append(
+        f"ledger        {len(info['ledger'])} entries (sums over merged PUSHes, whose windows "
+        "overlap: not step or token totals)"
+    )
     if info["ledger"]:
-        lines.append("  learner     merges          steps             tokens")
+        lines.append("  learner   merged PUSHes   Σ c_steps of them   Σ c_tokens of them")
         for entry in info["ledger"]:
             lines.append(
-                f"  {entry['learner_id']:<7} {entry['merges']:>10} {entry['steps']:>14} "
-                f"{entry['tokens']:>18}"
+                f"  {entry['learner_id']:<7} {entry['merges']:>15} {entry['steps']:>19} "
+                f"{entry['tokens']:>20}"
             )
     return "\n".join(lines)
 
