@@ -22,7 +22,7 @@ import pytest
 import torch
 from syncer_process import REPO, child_env
 
-from yeto_learn import cli, launch, process_control
+from yeto_learn import bench_closure, cli, launch, process_control
 from yeto_proto import Layout
 from yeto_proto.checkpoint import is_marked_final, read_checkpoint
 
@@ -293,6 +293,28 @@ def test_an_output_folder_that_is_not_empty_is_refused(
     empty.mkdir()
     assert cli.main(["launch", "--out", str(empty)]) == 0  # an empty folder is fine
     assert no_run == [empty.resolve()]
+
+
+@pytest.mark.parametrize("command", ["launch", "bench"])
+def test_an_output_folder_in_a_missing_folder_is_refused(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    no_run: list[Path],
+    command: str,
+) -> None:
+    """Only the last part of --out is made, as yeto-sync and checkpoint export make none: a
+    mistyped parent must not become a tree of folders."""
+    monkeypatch.setattr(bench_closure, "run_closure", lambda *a, **k: pytest.fail("ran"))
+    out = tmp_path / "no-such" / "deep" / "run"
+    assert cli.main([command, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"yeto {command}: error: --out {out}: "), err
+    assert f"{tmp_path / 'no-such' / 'deep'} does not exist" in err, err
+    assert not no_run and not (tmp_path / "no-such").exists()
+    out = tmp_path / "run"  # in an existing folder: made
+    assert cli.main(["launch", "--out", str(out)]) == 0
+    assert no_run == [out.resolve()]
 
 
 @pytest.mark.parametrize("below", [False, True], ids=["the-file", "below-the-file"])

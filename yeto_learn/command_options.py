@@ -1,8 +1,9 @@
 """What ``yeto launch`` and ``yeto bench`` share on their command lines.
 
 :func:`make_output_dir` gives a run an output directory of its own: an explicit ``--out`` must
-be new or empty, and the default ``./PREFIX-YYYYmmdd-HHMMSS`` is created atomically, so two runs
-started in the same second get ``…-HHMMSS`` and ``…-HHMMSS-2`` instead of sharing one.
+be new (in a directory that exists) or empty, and the default ``./PREFIX-YYYYmmdd-HHMMSS`` is
+created atomically, so two runs started in the same second get ``…-HHMMSS`` and ``…-HHMMSS-2``
+instead of sharing one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ SYNC_INTERVAL_HELP = (
 
 
 def out_help(prefix: str) -> str:
-    return f"output directory, new or empty (default: ./{prefix}-TIME, -2, -3, … if taken)"
+    return (
+        "output directory, new (in an existing directory) or empty (default: "
+        f"./{prefix}-TIME, -2, -3, … if taken)"
+    )
 
 
 #: The default name takes suffixes -2 … -MAX_SUFFIX before giving up.
@@ -41,10 +45,12 @@ def _reason(exc: OSError) -> str:
 def make_output_dir(out: Path | None, prefix: str) -> Path:
     """Create and return the run's output directory, or raise :class:`OutputDirError`.
 
-    ``out`` (``--out``) may name a new directory (its parents are made too) or an empty one;
-    anything else is refused: a non-empty directory would mix this run's files with an earlier
-    run's. Without ``out``: ``./PREFIX-YYYYmmdd-HHMMSS`` in the working directory, created with
-    ``exist_ok=False``; if another run took that name, ``-2``, ``-3``, … is appended.
+    ``out`` (``--out``) may name a new directory whose parent exists (only the last part is
+    made, as ``yeto-sync`` and ``yeto checkpoint export`` make no directories: a mistyped
+    parent must not become a tree of folders) or an empty one; anything else is refused: a
+    non-empty directory would mix this run's files with an earlier run's. Without ``out``:
+    ``./PREFIX-YYYYmmdd-HHMMSS`` in the working directory, created with ``exist_ok=False``; if
+    another run took that name, ``-2``, ``-3``, … is appended.
     """
     if out is None:
         base = Path.cwd() / time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
@@ -59,10 +65,14 @@ def make_output_dir(out: Path | None, prefix: str) -> Path:
             return candidate
         raise OutputDirError(f"{base} and its suffixes up to -{MAX_SUFFIX} exist; choose --out")
     try:
-        out.mkdir(parents=True)
+        out.mkdir()
         return out
     except FileExistsError:
         pass
+    except FileNotFoundError:
+        raise OutputDirError(
+            f"--out {out}: {out.parent} does not exist (only the last part of --out is made)"
+        ) from None
     except OSError as exc:  # a parent is a file, no permission, …
         raise OutputDirError(f"--out {out}: {_reason(exc)}") from None
     if not out.is_dir():
