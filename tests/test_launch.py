@@ -182,6 +182,29 @@ def test_a_stdout_that_cannot_be_written_ends_the_run_with_one_line(tmp_path: Pa
     )
 
 
+def test_a_syncer_that_did_not_start_leaves_the_output_folder_as_it_was(tmp_path: Path) -> None:
+    """The port is taken: the line quotes the syncer's reason, and what launch made is gone,
+    so the same command works once the port is free (an empty --out it was given stays)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        new, empty = tmp_path / "new", tmp_path / "empty"
+        empty.mkdir()
+        for out in (new, new, empty):  # the second try with "new" is not refused as not empty
+            result = subprocess.run(
+                [*LAUNCH, "--port", port, "--learners", "1", "--out", str(out)],
+                cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=90,
+            )  # fmt: skip
+            assert result.returncode == 1, result.stderr
+            (line,) = result.stderr.splitlines()
+            assert line.startswith("yeto launch: error: the syncer did not start: "), line
+            assert "Address already in use" in line and str(out) in line, line
+            assert result.stdout == ""
+    assert not new.exists()
+    assert empty.is_dir() and not any(empty.iterdir())
+
+
 def _catches(pid: int, signum: int) -> bool:
     """Whether process ``pid`` has its own handler for ``signum`` (Linux /proc)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -285,6 +285,8 @@ class Display:
 @dataclass(frozen=True)
 class Paths:
     out: Path
+    #: ``out`` was made by this run (not an empty directory the user gave as --out).
+    made: bool = False
 
     @property
     def syncer_dir(self) -> Path:
@@ -347,8 +349,9 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"yeto launch: error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    made = args.out is None or not os.path.lexists(args.out)
     try:
-        paths = Paths(make_output_dir(args.out, "yeto-launch").resolve())
+        paths = Paths(make_output_dir(args.out, "yeto-launch").resolve(), made)
         paths.syncer_dir.mkdir()
     except OutputDirError as exc:
         print(f"yeto launch: error: {exc}", file=sys.stderr)
@@ -399,6 +402,27 @@ def _syncer_kept(paths: Paths) -> str:
     return "no checkpoint (none was written yet)"
 
 
+def _undo_start(paths: Paths) -> str:
+    """Remove what a run that never started made, so that the same command can be run again
+    (an --out with files in it is refused), and say so. Only this run's own names go: the
+    syncer's log and tape, its folder, and ``out`` if this run made it; anything else in there
+    keeps all of them, and the line then says where the log is."""
+    ours = {paths.syncer_log.name, paths.tape.name}
+    try:
+        if {p.name for p in paths.syncer_dir.iterdir()} - ours or (
+            paths.made and {p.name for p in paths.out.iterdir()} != {paths.syncer_dir.name}
+        ):
+            return f"its log is {paths.syncer_log}"
+        for name in ours:
+            (paths.syncer_dir / name).unlink(missing_ok=True)
+        paths.syncer_dir.rmdir()
+        if paths.made:
+            paths.out.rmdir()
+    except OSError:
+        return f"its log may be in {paths.syncer_dir}"
+    return f"removed {paths.out}" if paths.made else f"{paths.out} is empty again"
+
+
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     # The children import this very package, wherever it lives (installed or a checkout).
@@ -433,7 +457,11 @@ def _launch(args: argparse.Namespace, paths: Paths, children: list[Child], start
     address = _await_listening(syncer)
     if address is None:
         tail = "; ".join(syncer.stderr_tail(3)) or "no output"
-        print(f"yeto launch: error: the syncer did not start: {tail}", file=sys.stderr)
+        stop_children(children)
+        print(
+            f"yeto launch: error: the syncer did not start: {tail}; {_undo_start(paths)}",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
 
     run_id = uuid.uuid4().hex
