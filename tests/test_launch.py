@@ -20,7 +20,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
-from syncer_process import REPO, child_env
+from syncer_process import REPO, child_env, running_syncer
 
 from yeto_learn import bench_closure, cli, launch, process_control
 from yeto_proto import Layout
@@ -240,6 +240,42 @@ def test_a_learner_stopped_by_sigterm_unwinds_and_says_what_it_kept(tmp_path: Pa
     assert learner.returncode == 128 + signal.SIGTERM, errors
     assert errors.splitlines()[-1] == "learner 0: stopped by SIGTERM; no artifact was written"
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_learner_at_its_cap_before_the_final_cut_says_so(tmp_path: Path) -> None:
+    """--max-steps (4 x --steps under yeto launch) reached while the syncer still runs rounds:
+    the learner cannot answer its pulls any more, and must say why it stopped, not wait in
+    finish() and then blame a caller that stopped calling step()."""
+    with running_syncer(tmp_path / "syncer", learners=1, total_steps=10_000) as syncer:
+        started = time.monotonic()
+        learner = subprocess.run(
+            [sys.executable, "-m", "yeto_learn.demo_model", "--syncer", syncer.address,
+             "--learner-id", "0", "--num-learners", "1", "--fragments", "2", "--streams", "0",
+             "--max-steps", "5", "--finish-timeout", "20", "--run-id", "cap-test"],
+            cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        took = time.monotonic() - started
+    assert learner.returncode == 1, learner.stderr
+    last = learner.stderr.strip().splitlines()[-1]
+    assert last.startswith("learner 0: reached its cap of 5 local steps (--max-steps"), last
+    assert "before the syncer finished the run" in last and "--learners" in last, last
+    assert "final_ready" not in learner.stderr, learner.stderr
+    assert took < 20, f"the learner waited {took:.0f} s"
+
+
+def test_launch_quotes_a_learner_that_reached_its_cap(tmp_path: Path) -> None:
+    """A sync every local step of a tiny batch: 200 rounds take far more than their pacing,
+    and the learner's 4 x 50 steps are over long before them."""
+    result = subprocess.run(
+        [*LAUNCH, "--learners", "1", "--steps", "50", "--sync-interval", "1", "--fragments",
+         "4", "--batch-size", "1", "--streams", "0", "--out", str(tmp_path / "run")],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("yeto launch: failed: learner-0 exited with 1: "), last
+    assert "learner 0: reached its cap of 200 local steps" in last, last
+    assert "try fewer --learners" in last, last
 
 
 # -- the command line, checked before anything starts ---------------------------------------------

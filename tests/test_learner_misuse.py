@@ -26,6 +26,7 @@ import torch
 from syncer_process import REPO, SyncerProcess, child_env, free_port, running_syncer
 
 from yeto_learn import (
+    FinishStuck,
     FinishTimeout,
     Learner,
     LearnerError,
@@ -226,6 +227,26 @@ def test_finish_before_final_ready_says_what_to_do(
         ):
             learner.finish(timeout=6)
         assert any("waiting in finish()" in r.getMessage() for r in caplog.records)
+
+
+def test_finish_stop_when_stuck_returns_control_instead_of_waiting(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loop that stopped on purpose (a step cap) hears at once that the cut cannot come, with
+    no advice to keep calling step(), and may still go on training after it."""
+    extra = ["--sync-interval-steps", "8", "--quorum-timeout-s", "5"]
+    with one_learner(tmp_path, 20, extra) as (syncer, model, learner):
+        train_steps(learner, model, 20)
+        assert not learner.final_ready
+        started = time.monotonic()
+        with (
+            caplog.at_level(logging.WARNING, logger="yeto_learn"),
+            pytest.raises(FinishStuck, match="answers only with further local steps"),
+        ):
+            learner.finish(timeout=30, stop_when_stuck=True)
+        assert time.monotonic() - started < 15
+        assert not any("waiting in finish()" in r.getMessage() for r in caplog.records)
+        train_steps(learner, model, 1)  # still usable, as after a timeout
 
 
 def test_a_learner_that_never_started_may_be_started_again(tmp_path: Path) -> None:

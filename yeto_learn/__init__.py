@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .learner import Learner, LearnerStats
     from .transport import (
+        FinishStuck,
         FinishTimeout,
         LearnerError,
         NonFiniteParameters,
@@ -27,6 +28,7 @@ _LAZY = {
     "Learner": ".learner",
     "LearnerStats": ".learner",
     "LearnerError": ".transport",
+    "FinishStuck": ".transport",
     "FinishTimeout": ".transport",
     "NonFiniteParameters": ".transport",
     "SyncerProtocolViolation": ".transport",
@@ -36,6 +38,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "FinishStuck",
     "FinishTimeout",
     "Learner",
     "LearnerError",

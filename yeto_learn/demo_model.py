@@ -220,7 +220,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, rank: int, world: int) -> int:
     from .learner import Learner
-    from .transport import LearnerError
+    from .transport import FinishStuck, LearnerError
 
     corpus = Corpus.load()
     param_dtype = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
@@ -285,9 +285,16 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
                 emit(_progress(args.learner_id, learner, running, "training"))
         if rank == 0:
             emit(_progress(args.learner_id, learner, running, "finishing"))
-        learner.finish()
+        # At the cap, the final cut may still come: finish() answers the pulls whose windows
+        # hold steps. Once the syncer pulls what only more training could answer, it cannot.
+        learner.finish(stop_when_stuck=not learner.final_ready)
     except LearnerError as exc:
-        print(f"learner {args.learner_id}: {exc}", file=sys.stderr, flush=True)
+        text = str(exc)
+        if isinstance(exc, FinishStuck):
+            text = _cap_reached(args.max_steps, learner.stats.global_step)
+        elif steps >= args.max_steps:
+            text += f" (after it reached its cap of {args.max_steps} local steps)"
+        print(f"learner {args.learner_id}: {text}", file=sys.stderr, flush=True)
         learner.close()
         return 1
     final_eval = eval_loss(model, corpus.eval, context)
@@ -313,6 +320,15 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
         }
     )
     return 0
+
+
+def _cap_reached(max_steps: int, global_step: int) -> str:
+    return (
+        f"reached its cap of {max_steps} local steps (--max-steps; yeto launch passes "
+        f"4 x --steps) before the syncer finished the run (its rounds were at global step "
+        f"{global_step}): the rounds ran slower than the learners trained (too many learners "
+        "for this machine's cores?); try fewer --learners, or a larger --steps or --sync-interval"
+    )
 
 
 def _progress(learner_id: int, learner: Any, loss: float, state: str) -> dict[str, Any]:

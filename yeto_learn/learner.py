@@ -90,6 +90,7 @@ from .transport import (
     ClientConfig,
     ClientFailed,
     Counters,
+    FinishStuck,
     FinishTimeout,
     GroupLost,
     GroupUp,
@@ -604,7 +605,7 @@ class Learner:
                 plan = Plan(PlanStatus.FAILED, error=_failure_text(exc))
         self._run(plan, error)
 
-    def finish(self, timeout: float | None = None) -> None:
+    def finish(self, timeout: float | None = None, *, stop_when_stuck: bool = False) -> None:
         """Wait for the final state, apply it, ACK it, save the learner's artifact, and wait
         for the syncer's SHUTDOWN.
 
@@ -620,6 +621,14 @@ class Learner:
         or ``close()``. An artifact that cannot be written (a full disk) does not stop the
         protocol: the learner ACKs and waits for the SHUTDOWN all the same, tries the write
         once more, and then raises :class:`LearnerError` naming the file.
+
+        ``stop_when_stuck`` is for a loop that stopped training before ``final_ready`` and
+        will not go on (a step cap): instead of warning and waiting, ``finish`` raises
+        :class:`FinishStuck` as soon as the syncer pulls a fragment that only another
+        ``step()`` could answer (the learner stays usable, as after a timeout; under torchrun
+        the other ranks raise :class:`FinishTimeout` with its text). Pulls its windows can
+        still answer are answered first, so a run whose last rounds need nothing more from
+        this learner still ends normally.
         """
         with self._one_caller():
             self._usable()
@@ -640,6 +649,7 @@ class Learner:
                         + self._starved_pulls_note()
                     ),
                     finishing=True,
+                    stop_when_stuck=stop_when_stuck,
                 )
             except LearnerError as exc:
                 self._keep_applied_final_state(exc)
@@ -721,8 +731,11 @@ class Learner:
         """Every connection generation this learner dialed (rank 0 only)."""
         return list(self._client.generations) if self._client is not None else []
 
+    def _pulls_awaiting_a_step(self) -> list[int]:
+        return self._session.pulls_awaiting_a_step() if self._session is not None else []
+
     def _starved_pulls_note(self) -> str:
-        if self._session is None or not (starved := self._session.pulls_awaiting_a_step()):
+        if not (starved := self._pulls_awaiting_a_step()):
             return ""
         return (
             f"; the syncer still pulls fragments {starved}, which this learner cannot answer "
@@ -751,8 +764,11 @@ class Learner:
         on_timeout: Callable[[], LearnerError],
         *,
         finishing: bool = False,
+        stop_when_stuck: bool = False,
     ) -> None:
-        """Serve the syncer (wait, apply, answer) until ``done()`` holds on rank 0."""
+        """Serve the syncer (wait, apply, answer) until ``done()`` holds on rank 0; with
+        ``stop_when_stuck``, stop (as at the deadline) with :class:`FinishStuck` once a pull
+        waits for a local step."""
         while True:
             plan: Plan | None = None
             error: BaseException | None = None
@@ -765,6 +781,9 @@ class Learner:
                         raise LearnerError("close() was called while this learner waited")
                     elif left <= 0:
                         error = on_timeout()
+                        plan = Plan(PlanStatus.TIMED_OUT, error=str(error))
+                    elif stop_when_stuck and (stuck := self._pulls_awaiting_a_step()):
+                        error = FinishStuck(self.syncer_address, stuck)
                         plan = Plan(PlanStatus.TIMED_OUT, error=str(error))
                     else:
                         items = self._client_items(min(_POLL_S, left))

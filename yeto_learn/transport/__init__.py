@@ -6,6 +6,7 @@ outgoing messages with it through thread-safe queues and never waits on the netw
 
 from .client import ClientConfig, SyncerClient, parse_address
 from .errors import (
+    FinishStuck,
     FinishTimeout,
     LearnerError,
     NonFiniteParameters,
@@ -21,6 +22,7 @@ __all__ = [
     "ClientConfig",
     "ClientFailed",
     "Counters",
+    "FinishStuck",
     "FinishTimeout",
     "GroupLost",
     "GroupUp",

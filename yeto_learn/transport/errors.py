@@ -53,3 +53,15 @@ class NonFiniteParameters(LearnerError):
 
 class FinishTimeout(LearnerError):
     """The final state did not arrive (or was not confirmed) within the finish deadline."""
+
+
+class FinishStuck(LearnerError):
+    """``finish(stop_when_stuck=True)``: the syncer pulls fragments that only another
+    ``step()`` could answer, so its final cut cannot come while training stays stopped."""
+
+    def __init__(self, address: str, fragments: list[int]) -> None:
+        super().__init__(
+            f"the syncer at {address} still pulls fragments {fragments}, which this learner "
+            "answers only with further local steps"
+        )
+        self.fragments = fragments
