@@ -75,6 +75,10 @@ def test_launch_trains_two_learners_and_summarizes(tmp_path: Path) -> None:
         assert path.is_file() and str(path) in text
     checkpoint = read_checkpoint(checkpoint_path)
     assert is_marked_final(checkpoint_path, checkpoint.global_step)
+    # The layout launch writes for `yeto checkpoint export` of a kept checkpoint is the run's.
+    assert Layout.from_json((out / "layout.json").read_text()).fingerprint() == (
+        checkpoint.fingerprint
+    )
     # Each learner's artifact is the syncer's final state, bit for bit, under its layout.
     for i in range(2):
         learner_dir = out / f"learner-{i}"
@@ -276,6 +280,16 @@ def test_launch_quotes_a_learner_that_reached_its_cap(tmp_path: Path) -> None:
     assert last.startswith("yeto launch: failed: learner-0 exited with 1: "), last
     assert "learner 0: reached its cap of 200 local steps" in last, last
     assert "try fewer --learners" in last, last
+    # The checkpoint it kept can be used with the commands the line gives, as they are.
+    commands = re.findall(r"`(yeto checkpoint [^`]*)`", last)
+    assert [c.split()[2] for c in commands] == ["inspect", "export"], last
+    for command in commands:
+        done = subprocess.run(
+            [sys.executable, "-m", "yeto_learn.cli", *command.split()[1:]],
+            cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    assert (tmp_path / "run" / "model.safetensors").is_file()
 
 
 # -- the command line, checked before anything starts ---------------------------------------------
@@ -529,6 +543,22 @@ def test_a_summary_that_does_not_fit_fails_the_run_and_says_what_was_kept(
         f"{tmp_path / 'summary.json'}); kept: {kept}; every learner's artifact was written"
     )
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # no temp
+
+
+def test_a_kept_checkpoint_comes_with_the_commands_that_use_it(tmp_path: Path) -> None:
+    """yeto launch cannot resume a run: the line says what the checkpoint is good for."""
+    paths = launch.Paths(tmp_path)
+    paths.syncer_dir.mkdir()
+    kept = f"last durable checkpoint {paths.checkpoint} at global_step 72"
+    paths.syncer_log.write_text(f"yeto-sync: stopped by SIGTERM; {kept}\n")
+    assert launch._syncer_kept(paths) == kept  # no file, no commands
+    paths.checkpoint.write_bytes(b"")
+    paths.layout.write_text("{}")
+    said = launch._syncer_kept(paths)
+    assert said.startswith(kept + " (yeto launch cannot resume it; "), said
+    assert f"`yeto checkpoint inspect {paths.checkpoint}`" in said, said
+    export = f"`yeto checkpoint export {paths.checkpoint} --layout {paths.layout} --out "
+    assert export + f"{tmp_path / 'model.safetensors'}`" in said, said
 
 
 def test_a_stop_signal_raises_once_and_a_hangup_ignored_at_start_stays_ignored() -> None:

@@ -7,7 +7,10 @@ there too. While they train, a live table shows every learner's step, loss, roun
 before and after and the bytes moved with what all-reduce data parallelism would have moved.
 
 Ctrl+C or SIGTERM stops every child within seconds (children also get SIGTERM if the launcher
-dies) and the last line says which state was kept.
+dies) and the last line says which state was kept. A run cannot be resumed (its learners would
+need the run's id and flags, and a syncer restarted with ``--resume``): a checkpoint it kept is
+named with the ``yeto checkpoint inspect|export`` commands that use it, the export with the
+demo model's ``layout.json``, which launch writes to ``--out`` once the syncer listens.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from yeto_proto import MergeMode
+from yeto_proto import Layout, MergeMode
 from yeto_proto.checkpoint import write_bytes_atomically
 from yeto_proto.constants import MAX_STREAMS
 from yeto_proto.errors import CheckpointError
@@ -43,7 +46,7 @@ from .command_options import (
     out_help,
 )
 from .demo_shapes import byte_model_shapes
-from .model_layout import most_fragments
+from .model_layout import build_layout, most_fragments
 from .process_control import Stopped, parent_death_signal, say, signals_raise
 
 if TYPE_CHECKING:
@@ -67,7 +70,9 @@ def register(commands: Commands) -> None:
             "Start a yeto-sync and M learner processes on 127.0.0.1 and train a small "
             "byte-level language model on Python's own standard library sources (no "
             "downloads). The syncer runs --total-steps = steps x fragments / sync-interval "
-            "rounds; learners train until its final cut (at most 4 x --steps)."
+            "rounds; learners train until its final cut (at most 4 x --steps). A stopped or "
+            "failed run cannot be resumed: its last line names the checkpoint it kept and the "
+            "yeto checkpoint commands that inspect it and export its parameters."
         ),
         formatter_class=HelpFormatter,
     )
@@ -305,6 +310,12 @@ class Paths:
         return self.syncer_dir / "events.jsonl"
 
     @property
+    def layout(self) -> Path:
+        """The demo model's layout, for ``yeto checkpoint export`` of a checkpoint the run kept
+        (the learners write theirs only with their artifacts, at the final cut)."""
+        return self.out / LAYOUT_FILE
+
+    @property
     def syncer_log(self) -> Path:
         return self.syncer_dir / "syncer.log"
 
@@ -314,6 +325,13 @@ class Paths:
 
     def learner_dir(self, learner_id: int) -> Path:
         return self.out / f"learner-{learner_id}"
+
+
+def demo_layout(args: argparse.Namespace) -> Layout:
+    """The layout every demo learner builds (``Learner``'s, from the model's shapes)."""
+    return build_layout(
+        byte_model_shapes(), fragments=args.fragments, matrix_merge=MergeMode[args.merge.upper()]
+    )
 
 
 def total_rounds(steps: int, fragments: int, sync_interval: int) -> int:
@@ -396,10 +414,25 @@ def _syncer_kept(paths: Paths) -> str:
     with contextlib.suppress(OSError):
         lines = [ln for ln in paths.syncer_log.read_text(encoding="utf-8").splitlines() if ln]
         if lines and lines[-1].startswith("yeto-sync: "):
-            return lines[-1].split("; ", 1)[-1]
+            return lines[-1].split("; ", 1)[-1] + _checkpoint_use(paths)
     if paths.checkpoint.exists():
-        return f"recovery checkpoint {paths.checkpoint}"
+        return f"recovery checkpoint {paths.checkpoint}{_checkpoint_use(paths)}"
     return "no checkpoint (none was written yet)"
+
+
+def _checkpoint_use(paths: Paths) -> str:
+    """What a kept checkpoint is good for, as commands to copy: ``yeto launch`` cannot resume
+    a run (its learners would need the run's id, flags and a resumed syncer)."""
+    if not paths.checkpoint.exists():
+        return ""
+    use = f"`yeto checkpoint inspect {paths.checkpoint}`"
+    if paths.layout.exists():
+        export = paths.out / "model.safetensors"
+        use += (
+            f", export its parameters with `yeto checkpoint export {paths.checkpoint} "
+            f"--layout {paths.layout} --out {export}`"
+        )
+    return f" (yeto launch cannot resume it; read it with {use})"
 
 
 def _undo_start(paths: Paths) -> str:
@@ -464,6 +497,8 @@ def _launch(args: argparse.Namespace, paths: Paths, children: list[Child], start
         )
         return EXIT_FAILED
 
+    with contextlib.suppress(CheckpointError):  # only for export: a kept line then omits it
+        write_bytes_atomically(paths.layout, demo_layout(args).to_json().encode("utf-8"))
     run_id = uuid.uuid4().hex
     lines: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
     learners: dict[str, Child] = {}
