@@ -19,6 +19,7 @@ import numpy as np
 from yeto_learn.transport.group import ConnectionGroup, Counters
 from yeto_proto import (
     FRAME_MAGIC,
+    FinalAck,
     FrameType,
     Heartbeat,
     Limits,
@@ -89,6 +90,37 @@ def test_a_push_superseded_before_its_first_byte_is_replaced_in_place() -> None:
     pushes = [(f[1], f[2]) for kind, f in received if kind == FrameType.PUSH_FRAGMENT]
     assert pushes == [(0, 1), (0, 4), (1, 3)]  # (fragment, step): step 2 never went out
     assert received[-1] == (FrameType.HEARTBEAT, (3, 9))
+    assert counters.frames_dropped == 1
+    assert group.unsent == []
+
+
+def test_the_final_ack_does_not_wait_behind_pushes_that_have_not_started() -> None:
+    # Every round ended before the final cut: the queued PUSHes would only be rejected, and
+    # on one socket the FINAL_ACK waited behind them (33 s per 16 MiB at 4 Mbit/s).
+    learner_end, syncer_end = socket.socketpair()
+    learner_end.setblocking(False)
+    counters = Counters()
+    group = ConnectionGroup(
+        [learner_end], LIMITS, deliver=lambda m: None, counters=counters, recv_buffer=bytearray(64)
+    )
+    received: list[tuple[int, tuple[int, ...]]] = []
+
+    async def scenario() -> None:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(group.run)
+            group.send(push(0, 1, STUCK_BYTES))
+            await anyio.sleep(0.2)  # step 1 is half written: started, so it goes out whole
+            group.send(push(1, 2))  # not started when the cut is applied: withdrawn
+            group.send(FinalAck(7))
+            received.extend(await anyio.to_thread.run_sync(read_frames, syncer_end, 2))
+            group.stop("done", flush=False)
+
+    try:
+        anyio.run(scenario)
+    finally:
+        syncer_end.close()
+    assert [kind for kind, _ in received] == [FrameType.PUSH_FRAGMENT, FrameType.FINAL_ACK]
+    assert received[0][1][1:3] == (0, 1)  # (fragment, step) of the PUSH that had started
     assert counters.frames_dropped == 1
     assert group.unsent == []
 

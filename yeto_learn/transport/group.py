@@ -34,6 +34,7 @@ from yeto_proto import (
     Chunk,
     ChunkSlicer,
     DecoderState,
+    FinalAck,
     FrameDecoder,
     Limits,
     ProtocolError,
@@ -227,6 +228,8 @@ class ConnectionGroup:
         size = frame_length(frame)
         if isinstance(message, PushFragment) and self._replace_queued_push(message, frame, size):
             return
+        if isinstance(message, FinalAck):
+            self._withdraw_plain_pushes()
         msg_id: int | None = None
         if self._slicer is None or message.TYPE not in STRIPED_TYPES:
             frames = [self._streams[0].put(frame, message)]
@@ -260,6 +263,20 @@ class ConnectionGroup:
         self._pushes[push.fragment_id] = older
         self._counters.frames_dropped += 1
         return True
+
+    def _withdraw_plain_pushes(self) -> None:
+        """The final cut is applied: every round ended before it, so a PUSH not started yet
+        would only be rejected, and on a group without data streams the FINAL_ACK waited
+        behind it (16 MiB at 4 Mbit/s: 33 s of a final-ACK deadline). A striped PUSH stays:
+        it does not hold stream 0 up, and dropping it would leave a gap in the CHUNK ids."""
+        for fragment, queued in list(self._pushes.items()):
+            if queued.msg_id is not None or queued.started:
+                continue
+            (slot,) = queued.frames
+            # Emptied in place, not removed: the writer may be waiting to start it.
+            slot.frame, slot.message = [], None
+            del self._pushes[fragment]
+            self._counters.frames_dropped += 1
 
     def send_first(self, frames: list[Buffers]) -> None:
         """The opening frame of each socket (HELLO on stream 0, DATA_HELLO on the others)."""
