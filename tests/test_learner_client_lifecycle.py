@@ -52,6 +52,7 @@ from yeto_learn.transport.group import open_sockets
 from yeto_proto import (
     AnyMessage,
     BcastFragment,
+    BudgetDone,
     FinalAck,
     FinalFragment,
     FinalManifest,
@@ -283,13 +284,13 @@ def test_close_cuts_a_flush_the_syncer_does_not_read_after_close_flush(
     group = syncer.accept_group(0)
     assert isinstance(next_item(client), GroupUp)
     client.send(1, PushFragment(3, 0, 1, 1, 0, 1, 1, 1, memoryview(bytes(64 << 20))))
-    client.send(1, FinalAck(9))  # queued behind a PUSH the syncer never takes in
+    client.send(1, BudgetDone(9))  # queued behind a PUSH the syncer never takes in
     wait_for(lambda: client.counters.bytes_sent > 0)
     started = time.monotonic()
     client.close()
     assert time.monotonic() - started < 1.0
     assert not client.running
-    assert client.poll() == [Undelivered(1, FinalAck(9)), GroupLost(1, "closed by the learner")]
+    assert client.poll() == [Undelivered(1, BudgetDone(9)), GroupLost(1, "closed by the learner")]
     group.close()
 
 
