@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from signal_hooks import ON_FORK, command, processes_naming
 from syncer_process import REPO, child_env
 
 from yeto_learn import bench_closure, cli
@@ -204,7 +205,7 @@ def no_closure(monkeypatch: pytest.MonkeyPatch) -> list[BenchConfig]:
     command line never starts a process (and one it let through is seen)."""
     runs: list[BenchConfig] = []
 
-    def fake(config: BenchConfig, say: object = None) -> None:
+    def fake(config: BenchConfig, say: object = None, check: object = None) -> None:
         runs.append(config)
         raise ClosureFailed("the closure is not run in this test")
 
@@ -368,6 +369,36 @@ def test_sigterm_stops_the_bench_and_its_syncer(tmp_path: Path) -> None:
     ), errors
     assert "Traceback" not in errors
     assert not (out / EXPORT_FILE).exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("where", ["before", "after_in_parent"])
+def test_sigterm_while_the_bench_forks_its_syncer_stops_it(tmp_path: Path, where: str) -> None:
+    """A handler that raised inside the fork had its exception swallowed ("Exception ignored
+    in …"): the bench went on and every later signal was only logged."""
+    out = tmp_path / "stopped"
+    argv = command(
+        ON_FORK, [where, "1", str(int(signal.SIGTERM))], "yeto",
+        "bench", "--out", str(out), "--budget", "100000", "--fragments", "2", "--batch-size", "8",
+    )  # fmt: skip
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            argv, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60
+        )
+    finally:
+        left = processes_naming(out)
+        for pid in left:  # never leave one behind, even when the test fails
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    took = time.monotonic() - started
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "yeto bench: stopped by SIGTERM; every syncer stopped, nothing exported"
+    )
+    assert took < 30, f"stopping took {took:.1f} s"
+    assert not left, f"processes {left} outlived the bench"
 
 
 def _runs(pid: int, out: Path) -> bool:

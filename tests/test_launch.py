@@ -6,6 +6,7 @@ Output goes to a pipe here, as in CI: it must stay plain text (no terminal escap
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
+from signal_hooks import ON_FORK, command, processes_naming
 from syncer_process import REPO, child_env, running_syncer
 
 from yeto_learn import bench_closure, cli, launch, process_control
@@ -283,9 +285,9 @@ def test_launch_quotes_a_learner_that_reached_its_cap(tmp_path: Path) -> None:
     # The checkpoint it kept can be used with the commands the line gives, as they are.
     commands = re.findall(r"`(yeto checkpoint [^`]*)`", last)
     assert [c.split()[2] for c in commands] == ["inspect", "export"], last
-    for command in commands:
+    for given in commands:
         done = subprocess.run(
-            [sys.executable, "-m", "yeto_learn.cli", *command.split()[1:]],
+            [sys.executable, "-m", "yeto_learn.cli", *given.split()[1:]],
             cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
@@ -299,7 +301,9 @@ def no_run(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     check of the command line never starts a process (and one it let through is seen)."""
     runs: list[Path] = []
 
-    def fake(args: object, paths: launch.Paths, children: object, started: float) -> int:
+    def fake(
+        args: object, paths: launch.Paths, children: object, started: float, stops: object
+    ) -> int:
         runs.append(paths.out)
         return 0
 
@@ -561,15 +565,98 @@ def test_a_kept_checkpoint_comes_with_the_commands_that_use_it(tmp_path: Path) -
     assert export + f"{tmp_path / 'model.safetensors'}`" in said, said
 
 
-def test_a_stop_signal_raises_once_and_a_hangup_ignored_at_start_stays_ignored() -> None:
+def test_a_stop_signal_is_met_at_a_safe_point_and_a_hangup_ignored_at_start_stays_ignored(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
     try:
-        with process_control.signals_raise("yeto test"):
+        with process_control.stops_recorded("yeto test") as stops:
             os.kill(os.getpid(), signal.SIGHUP)  # ignored: the run goes on
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)  # the handler has run: it raised nothing
+            assert (stops.received, stops.stopping) == (signal.SIGTERM, False)
             with pytest.raises(process_control.Stopped) as stopped:
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(1)  # the handler runs at the next bytecode
-            assert stopped.value.signum == signal.SIGTERM
+                stops.check()
+            assert stopped.value.signum == signal.SIGTERM and stops.stopping
+            os.kill(os.getpid(), signal.SIGINT)  # a second one only says so
+            time.sleep(0.2)
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, previous)
+    assert capfd.readouterr().err == "yeto test: SIGINT again; still stopping\n"
+
+
+# -- a stop signal at the moments that lost it ----------------------------------------------------
+SMALL_RUN = ("launch", "--learners", "3", "--steps", "50", "--fragments", "2", "--streams", "0")
+
+
+def _run_to_the_end(argv: list[str], timeout: float = 60) -> tuple[int, str, str, float]:
+    """Run ``argv`` to its end: exit status, stdout, stderr, seconds it took."""
+    started = time.monotonic()
+    process = subprocess.Popen(
+        argv, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, preexec_fn=hangup_not_ignored,
+    )  # fmt: skip
+    try:
+        out, err = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    return process.returncode, out, err, time.monotonic() - started
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize(
+    ("where", "nth"),
+    [("before", 1), ("after_in_parent", 1), ("before", 3), ("after_in_parent", 3)],
+    ids=["before-syncer-fork", "after-syncer-fork", "before-learner-fork", "after-learner-fork"],
+)
+def test_a_stop_signal_inside_a_fork_stops_the_run(tmp_path: Path, where: str, nth: int) -> None:
+    """SIGTERM while the launcher forks the syncer (1st fork) or learner 1 (3rd): a handler that
+    raised in a fork hook had its exception swallowed ("Exception ignored in …"), and the run
+    went on with every later signal only logged."""
+    out = tmp_path / "run"
+    hook = [where, str(nth), str(int(signal.SIGTERM))]
+    try:
+        code, rest, errors, took = _run_to_the_end(
+            command(ON_FORK, hook, "yeto", *SMALL_RUN, "--out", str(out))
+        )
+    finally:
+        left = processes_naming(out)
+        for pid in left:  # never leave one behind, even when the test fails
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert "Traceback" not in errors and "Exception ignored" not in errors, errors
+    assert code == 128 + signal.SIGTERM, errors
+    last = rest.strip().splitlines()[-1]
+    assert last.startswith("yeto launch: stopped by SIGTERM after "), last
+    assert "every process ended" in last and "no learner artifact was written" in last
+    assert took < 30, f"stopping took {took:.1f} s"
+    assert not left, f"processes {left} outlived the launcher"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_stop_signal_that_reaches_a_child_before_it_runs_its_program_ends_it(
+    tmp_path: Path,
+) -> None:
+    """The child of the 2nd fork (learner 0) is sent SIGTERM before its exec: it must not run
+    the launcher's handler (an exception swallowed in ``_after_fork``, the signal lost and the
+    learner started anyway) but end, as the learner would have."""
+    out = tmp_path / "run"
+    hook = ["after_in_child", "2", str(int(signal.SIGTERM))]
+    try:
+        code, _, errors, _ = _run_to_the_end(
+            command(ON_FORK, hook, "yeto", *SMALL_RUN, "--out", str(out))
+        )
+    finally:
+        left = processes_naming(out)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert "Traceback" not in errors and "Exception ignored" not in errors, errors
+    assert code == 1, errors
+    assert errors.splitlines()[-1].startswith(
+        f"yeto launch: failed: learner-0 exited with {-signal.SIGTERM}: no output; kept: "
+    ), errors
+    assert not left, f"processes {left} outlived the launcher"

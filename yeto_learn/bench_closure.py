@@ -63,7 +63,7 @@ from .command_options import (
 )
 from .demo_shapes import byte_model_shapes
 from .model_layout import most_fragments
-from .process_control import Stopped, parent_death_signal, say, signals_raise
+from .process_control import Stopped, say, spawn, stops_recorded
 
 if TYPE_CHECKING:
     from .cli import Commands
@@ -81,6 +81,8 @@ STOP_GRACE_S = 5.0
 #: How long a stopped or failed closure waits for its learner threads to end (importing torch
 #: takes seconds on a busy machine).
 LEARNER_STOP_GRACE_S = 5.0
+#: Longest wait between two looks at the stop signals.
+POLL_S = 0.25
 #: The tiny model: ByteModel(context, embed, hidden) of yeto_learn.demo_model.
 TINY_MODEL = (8, 8, 32)
 MODEL_SEED = 0
@@ -250,19 +252,27 @@ class SyncerProcess:
             self.process.stdout.close()
 
 
-def start_syncer(name: str, flags: Sequence[str], log_path: Path) -> SyncerProcess:
-    """Start ``python -m yeto_sync`` and wait for its listening line."""
+def _no_stop() -> None:
+    """A ``check`` for callers that handle no stop signals."""
+
+
+def start_syncer(
+    name: str, flags: Sequence[str], log_path: Path, check: Callable[[], None] = _no_stop
+) -> SyncerProcess:
+    """Start ``python -m yeto_sync`` and wait for its listening line.
+
+    ``check`` raises :class:`Stopped` once a stop signal arrived (it is asked while waiting);
+    the syncer is stopped then too.
+    """
     argv = [sys.executable, "-m", "yeto_sync", "--host", HOST, *flags]
     with open(log_path, "a", encoding="utf-8") as log:
-        process = subprocess.Popen(
+        process = spawn(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
             env=_child_env(),
-            start_new_session=True,  # the bench alone gets the terminal's Ctrl+C
-            preexec_fn=parent_death_signal(),
         )
     syncer = SyncerProcess(name, process, log_path)
     try:
@@ -270,10 +280,16 @@ def start_syncer(name: str, flags: Sequence[str], log_path: Path) -> SyncerProce
         first: queue.SimpleQueue[str] = queue.SimpleQueue()
         stdout: IO[str] = process.stdout
         threading.Thread(target=lambda: first.put(stdout.readline()), daemon=True).start()
-        try:
-            line = first.get(timeout=SYNCER_START_TIMEOUT_S)
-        except queue.Empty:
-            line = ""
+        deadline = time.monotonic() + SYNCER_START_TIMEOUT_S
+        while True:
+            check()
+            try:
+                line = first.get(timeout=min(POLL_S, max(deadline - time.monotonic(), 0.0)))
+                break
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    line = ""
+                    break
         if not line.startswith(LISTENING):
             raise ClosureFailed(f"the {name} syncer did not start: {syncer.last_line() or line!r}")
         syncer.port = int(line.strip().rsplit(":", 1)[1])
@@ -408,8 +424,11 @@ def _train_learner(
 
 
 # -- the closure ---------------------------------------------------------------------------------
-def _wait_for_exit(syncer: SyncerProcess, crew: Crew, deadline: float, what: str) -> int:
+def _wait_for_exit(
+    syncer: SyncerProcess, crew: Crew, deadline: float, what: str, check: Callable[[], None]
+) -> int:
     while True:
+        check()
         code = syncer.process.poll()
         if code is not None:
             return code
@@ -424,8 +443,16 @@ def _wait_for_exit(syncer: SyncerProcess, crew: Crew, deadline: float, what: str
         time.sleep(0.05)
 
 
-def run_closure(config: BenchConfig, say: Callable[[str], None] = print) -> ClosureResult:
-    """Run the whole closure; raise :class:`ClosureFailed` (nothing exported) on any failure."""
+def run_closure(
+    config: BenchConfig,
+    say: Callable[[str], None] = print,
+    check: Callable[[], None] = _no_stop,
+) -> ClosureResult:
+    """Run the whole closure; raise :class:`ClosureFailed` (nothing exported) on any failure.
+
+    ``check`` raises :class:`Stopped` once a stop signal arrived; it is asked between the steps
+    and while the closure waits, and everything started is stopped then.
+    """
     started = time.monotonic()
     out = config.out
     out.mkdir(parents=True, exist_ok=True)
@@ -461,6 +488,7 @@ def run_closure(config: BenchConfig, say: Callable[[str], None] = print) -> Clos
                 f"--event-tape={out / CUTOFF_TAPE}",
             ],
             log_path,
+            check,
         )
         syncers.append(cutoff)
         address = f"{HOST}:{cutoff.port}"
@@ -477,7 +505,7 @@ def run_closure(config: BenchConfig, say: Callable[[str], None] = print) -> Clos
 
         # -- the cutoff process ----------------------------------------------------------------
         code = _wait_for_exit(
-            cutoff, crew, started + config.training_timeout, "training to the budget"
+            cutoff, crew, started + config.training_timeout, "training to the budget", check
         )
         if code != 0:
             raise ClosureFailed(f"the cutoff syncer exited {code}: {cutoff.last_line()}")
@@ -504,6 +532,7 @@ def run_closure(config: BenchConfig, say: Callable[[str], None] = print) -> Clos
                 f"--event-tape={out / CONSOLIDATION_TAPE}",
             ],
             log_path,
+            check,
         )
         syncers.append(restart)
         code = _wait_for_exit(
@@ -511,12 +540,16 @@ def run_closure(config: BenchConfig, say: Callable[[str], None] = print) -> Clos
             crew,
             time.monotonic() + config.consolidation_timeout,
             "consolidation",
+            check,
         )
         if code != 0:
             raise ClosureFailed(f"the consolidation syncer exited {code}: {restart.last_line()}")
         final_step = cutoff_step + fragments
         for thread in crew.threads:
-            thread.join(config.consolidation_timeout)
+            joined_by = time.monotonic() + config.consolidation_timeout
+            while thread.is_alive() and time.monotonic() < joined_by:
+                check()
+                thread.join(min(POLL_S, max(joined_by - time.monotonic(), 0.0)))
         failure = crew.failure()
         if failure is not None:
             raise ClosureFailed(f"consolidation: {failure}")
@@ -678,8 +711,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.command_prog}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        with signals_raise(args.command_prog):
-            result = run_closure(config, say=say)  # stdout's reader may go away: it goes on
+        with stops_recorded(args.command_prog) as stops:
+            # stdout's reader may go away: it goes on
+            result = run_closure(config, say=say, check=stops.check)
     except ClosureFailed as exc:
         print(f"{args.command_prog}: closure failed, nothing exported: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import queue
 import subprocess
@@ -47,7 +48,7 @@ from .command_options import (
 )
 from .demo_shapes import byte_model_shapes
 from .model_layout import build_layout, most_fragments
-from .process_control import Stopped, parent_death_signal, say, signals_raise
+from .process_control import Stopped, StopSignals, say, spawn, stops_recorded
 
 if TYPE_CHECKING:
     from .cli import Commands
@@ -58,6 +59,8 @@ EXIT_BAD_INPUT = 2
 #: Seconds a child gets to exit after SIGTERM before it is killed.
 STOP_GRACE_S = 5.0
 SYNCER_START_TIMEOUT_S = 30.0
+#: Longest wait between two looks at the stop signals.
+POLL_S = 0.25
 #: Seconds between status lines when stdout is not a terminal.
 PLAIN_REPORT_EVERY_S = 5.0
 
@@ -121,15 +124,13 @@ class Child:
 def _spawn(name: str, argv: list[str], stderr_path: Path, env: dict[str, str]) -> Child:
     stderr_path.parent.mkdir(parents=True, exist_ok=True)
     with open(stderr_path, "w", encoding="utf-8") as stderr:
-        process = subprocess.Popen(
+        process = spawn(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
             env=env,
-            start_new_session=True,  # the launcher alone gets the terminal's Ctrl+C
-            preexec_fn=parent_death_signal(),
         )
     return Child(name, process, stderr_path)
 
@@ -379,9 +380,11 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     children: list[Child] = []
     started = time.monotonic()
-    with signals_raise("yeto launch"):
+    # Signals are recorded and met at the safe points of the run (stops.check()): never raised
+    # inside a fork, where the interpreter would swallow the exception and lose the stop.
+    with stops_recorded("yeto launch") as stops:
         try:
-            return _launch(args, paths, children, started)
+            return _launch(args, paths, children, started, stops)
         except Stopped as stop:
             stop_children(children)
             elapsed = time.monotonic() - started
@@ -392,10 +395,7 @@ def run(args: argparse.Namespace) -> int:
             )
             return 128 + stop.signum
         finally:
-            try:
-                stop_children(children)
-            except Stopped:  # a first signal while they stop after a normal end: finish the job
-                stop_children(children)
+            stop_children(children)
 
 
 def _artifacts_kept(paths: Paths, learners: int) -> str:
@@ -466,7 +466,13 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _launch(args: argparse.Namespace, paths: Paths, children: list[Child], started: float) -> int:
+def _launch(
+    args: argparse.Namespace,
+    paths: Paths,
+    children: list[Child],
+    started: float,
+    stops: StopSignals,
+) -> int:
     env = _child_env()
     rounds = total_rounds(args.steps, args.fragments, args.sync_interval)
     syncer_argv = [
@@ -487,7 +493,7 @@ def _launch(args: argparse.Namespace, paths: Paths, children: list[Child], start
     ]  # fmt: skip
     syncer = _spawn("syncer", syncer_argv, paths.syncer_log, env)
     children.append(syncer)
-    address = _await_listening(syncer)
+    address = _await_listening(syncer, stops)
     if address is None:
         tail = "; ".join(syncer.stderr_tail(3)) or "no output"
         stop_children(children)
@@ -524,16 +530,16 @@ def _launch(args: argparse.Namespace, paths: Paths, children: list[Child], start
         children.insert(0, child)  # stopped before the syncer
         learners[child.name] = child
         threading.Thread(target=_pump_lines, args=(child, lines), daemon=True).start()
+        stops.check()  # between two starts: the children so far are in `children`
 
     with Display(views, rounds, sys.stdout) as display:
-        failure = _follow(learners, syncer, views, lines, display)
+        failure = _follow(learners, syncer, views, lines, display, stops)
     if failure is not None:
         stop_children(children)
         print(f"yeto launch: failed: {failure}; kept: {_syncer_kept(paths)}", file=sys.stderr)
         return EXIT_FAILED
-    try:
-        code = syncer.process.wait(30)
-    except subprocess.TimeoutExpired:
+    code = _wait(syncer.process, 30, stops)
+    if code is None:
         stop_children(children)
         print(
             "yeto launch: failed: every learner finished but the syncer did not exit; "
@@ -579,7 +585,7 @@ def starting_line(args: argparse.Namespace, address: str, rounds: int, out: Path
     )
 
 
-def _await_listening(syncer: Child) -> str | None:
+def _await_listening(syncer: Child, stops: StopSignals) -> str | None:
     """The syncer's ``HOST:PORT`` from its one stdout line, or None if it did not start."""
     found: queue.SimpleQueue[str] = queue.SimpleQueue()
     assert syncer.process.stdout is not None
@@ -589,12 +595,28 @@ def _await_listening(syncer: Child) -> str | None:
         found.put(stdout.readline())
 
     threading.Thread(target=read, daemon=True).start()
-    try:
-        line = found.get(timeout=SYNCER_START_TIMEOUT_S)
-    except queue.Empty:
-        return None
+    deadline = time.monotonic() + SYNCER_START_TIMEOUT_S
+    while True:
+        stops.check()
+        try:
+            line = found.get(timeout=min(POLL_S, max(deadline - time.monotonic(), 0.0)))
+            break
+        except queue.Empty:
+            if time.monotonic() >= deadline:
+                return None
     prefix = "yeto-sync listening on "
     return line.strip().removeprefix(prefix) if line.startswith(prefix) else None
+
+
+def _wait(process: subprocess.Popen[str], timeout: float, stops: StopSignals) -> int | None:
+    """``process``'s exit code, or None if it still runs after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stops.check()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return process.wait(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
+        if time.monotonic() >= deadline:
+            return None
 
 
 def _follow(
@@ -603,12 +625,14 @@ def _follow(
     views: list[LearnerView],
     lines: queue.SimpleQueue[tuple[str, str]],
     display: Display,
+    stops: StopSignals,
 ) -> str | None:
     """Show progress until every learner exited; return a failure description, if any."""
     open_streams = set(learners)
     while open_streams:
+        stops.check()
         with contextlib.suppress(queue.Empty):
-            name, line = lines.get(timeout=0.25)
+            name, line = lines.get(timeout=POLL_S)
             if not line:
                 open_streams.discard(name)
             else:
@@ -623,7 +647,7 @@ def _follow(
         if code not in (None, 0):
             return f"the syncer exited with {code}: {'; '.join(syncer.stderr_tail(2))}"
     for name, child in learners.items():
-        code = child.process.wait()
+        code = _wait(child.process, math.inf, stops)
         if code != 0:
             return f"{name} exited with {code}: {'; '.join(child.stderr_tail(3))}"
     return None

@@ -1,12 +1,13 @@
 """How a ``yeto`` command that runs child processes stops: signals, and children that follow.
 
-``yeto launch`` and ``yeto bench`` share it: the first SIGINT, SIGTERM or SIGHUP (unless it was
-ignored at start, as under ``nohup``) becomes a
-:class:`Stopped` exception in the main thread, so the command stops its children and prints its
-last line, and a child started with :func:`parent_death_signal` is sent SIGTERM if the command
-dies without that chance (Linux). :func:`exit_process` ends the ``yeto`` process with the code
-its command returned, even when a thread that may be inside torch outlived the command.
-:func:`say` prints their status lines, on stderr once nobody reads stdout.
+``yeto launch`` and ``yeto bench`` share it. The first SIGINT, SIGTERM or SIGHUP (unless it was
+ignored at start, as under ``nohup``) is recorded (:func:`stops_recorded`) and becomes a
+:class:`Stopped` exception in the main thread at the command's next safe point, so the command
+stops its children and prints its last line. Children are started by :func:`spawn`: no stop
+signal is handled inside the fork, and a child is sent SIGTERM if the command dies without that
+chance (Linux). :func:`exit_process` ends the ``yeto`` process with the code its command
+returned, even when a thread that may be inside torch outlived the command. :func:`say` prints
+their status lines, on stderr once nobody reads stdout.
 """
 
 from __future__ import annotations
@@ -16,75 +17,110 @@ import functools
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from types import FrameType
-from typing import NoReturn
+from typing import Any, NoReturn
 
-from yeto_sync.stop_signals import stop_signals
+from yeto_sync.stop_signals import Stopped, StopSignals, installed, stop_signals
 
 from .output import OutputFailed
 
+__all__ = [
+    "StopSignals",
+    "Stopped",
+    "child_setup",
+    "divert_closed_stdout",
+    "exit_process",
+    "say",
+    "spawn",
+    "stops_recorded",
+]
+
+
+def child_setup() -> Callable[[], None]:
+    """A pre-exec hook for a child of a command that handles the stop signals.
+
+    The child starts with the stop signals at their default actions and unblocked (see
+    :func:`spawn`), so that one sent to it before it runs its own program ends it instead of
+    running this process's handler in the copy; and on Linux it is sent SIGTERM when its parent
+    dies (a parent that died before that was set ends it at once). Everything is looked up
+    here, in the parent: the hook runs between fork and exec, where a multi-threaded parent
+    must not import or allocate.
+    """
+    signals = _handled_stop_signals()
+    prctl = _prctl()
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+    sigterm = int(signal.SIGTERM)
+
+    def hook() -> None:
+        for signum in signals:
+            signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+        if prctl is not None:
+            prctl(pr_set_pdeathsig, sigterm)
+            if os.getppid() != parent:  # the parent died before the line above
+                os.kill(os.getpid(), sigterm)
+
+    return hook
+
+
+def _handled_stop_signals() -> tuple[signal.Signals, ...]:
+    stops = installed()
+    return stops.signals if stops is not None else stop_signals()
+
 
 @functools.cache
-def parent_death_signal() -> Callable[[], None] | None:
-    """A pre-exec hook that makes a child get SIGTERM when its parent dies (Linux only).
-
-    Everything is looked up here, in the parent: the hook runs between fork and exec, where a
-    multi-threaded parent must not import or allocate.
-    """
+def _prctl() -> Callable[[int, int], int] | None:
+    """libc's ``prctl`` (Linux only)."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
 
     try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        prctl: Callable[[int, int], int] = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
-    pr_set_pdeathsig = 1
-
-    def hook() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
-
-    return hook
+    return prctl
 
 
-class Stopped(Exception):
-    """SIGINT, SIGTERM or SIGHUP reached the command."""
+def spawn(argv: list[str], **options: Any) -> subprocess.Popen[str]:
+    """``subprocess.Popen(argv, **options)`` in a new session, with :func:`child_setup`.
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+    The stop signals are blocked in this thread while the child is made, so the child starts
+    with them blocked: one sent to it before :func:`child_setup` gave them their default actions
+    waits for that, instead of running this process's handler in the child's copy. Here the
+    handler may still run inside the fork (another thread can take the signal, and the main
+    thread runs the handler), which is why it only records: the caller meets the signal at its
+    next :meth:`~StopSignals.check`, once it holds the child.
+    """
+    blocked = _handled_stop_signals()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        return subprocess.Popen(
+            argv,
+            start_new_session=True,  # the command alone gets the terminal's Ctrl+C
+            preexec_fn=child_setup(),
+            **options,
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextlib.contextmanager
-def signals_raise(command: str) -> Iterator[None]:
-    """The first SIGINT/SIGTERM/SIGHUP raises :class:`Stopped`; later ones only say so on stderr.
+def stops_recorded(command: str) -> Iterator[StopSignals]:
+    """The stop signals recorded for ``command`` during the block, to be met at its safe points.
 
-    A second Ctrl+C is common while the children stop: it must not cut that short and leave
-    the run without its last line. ``command`` names the command in that note.
+    A signal arrives as :class:`Stopped` at :meth:`StopSignals.check` only: nothing is raised
+    from inside a fork, a ``preexec_fn`` or a library, where it could be lost.
     """
-    stopping = False
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping
-        if stopping:
-            # os.write: a print here could re-enter a print the signal interrupted.
-            name = signal.Signals(signum).name
-            with contextlib.suppress(OSError):
-                os.write(2, f"{command}: {name} again; still stopping\n".encode())
-            return
-        stopping = True
-        raise Stopped(signum)
-
-    # SIGHUP too: a closed terminal stops the run the same orderly way (not under nohup).
-    previous = {s: signal.signal(s, handler) for s in stop_signals()}
+    stops = StopSignals(command).install()
     try:
-        yield
+        yield stops
     finally:
-        for s, old in previous.items():
-            signal.signal(s, old)
+        stops.uninstall()
 
 
 def divert_closed_stdout() -> None:
