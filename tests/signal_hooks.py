@@ -7,6 +7,8 @@ The hook sends the signal from inside the process at its moment, so the moment i
 every run however loaded the machine, where a test that sends it after a sleep would hit a
 different point each time:
 
+* :data:`ON_IMPORT` — as a module starts to load (``numpy``: the console entry points must
+  handle the stop signals before anything heavy is imported);
 * :data:`ON_FORK` — from an ``os.fork`` hook of the n-th fork: ``before`` or ``after_in_parent``
   in the program itself, ``after_in_child`` in the child that fork made, before it runs its
   own program (where a handler that raises has its exception swallowed).
@@ -16,6 +18,23 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+ON_IMPORT = """
+import importlib.abc, os, signal, sys
+
+module, signum = sys.argv[1], int(sys.argv[2])
+
+
+class SignalOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == module:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signum)
+        return None
+
+
+sys.meta_path.insert(0, SignalOnImport())
+"""
 
 ON_FORK = """
 import os, signal, sys

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ from scripted_learner import (
     SyncerError,
     play_in_thread,
 )
+from signal_hooks import ON_IMPORT, command
 from test_checkpoint import make_checkpoint
 
 from yeto_proto import MergeMode, WireDtype, WireFragment, WireLayout
@@ -200,6 +202,41 @@ def test_a_signal_right_after_the_ready_line_stops_cleanly(signals: int) -> None
     # The first signal says at once that the daemon is stopping, and for how long at most.
     (stopping,) = [line for line in lines if "msg=stopping " in line]
     assert "signal=SIGTERM" in stopping and "grace_s=5.0" in stopping
+
+
+@pytest.mark.parametrize(
+    ("module", "stop"),
+    [("ml_dtypes", signal.SIGINT), ("numpy", signal.SIGTERM), ("anyio", signal.SIGTERM)],
+    ids=["ml_dtypes-sigint", "numpy-sigterm", "anyio-sigterm"],
+)
+def test_a_signal_while_the_daemon_loads_is_its_last_line(
+    module: str, stop: signal.Signals
+) -> None:
+    """Ctrl+C as ml_dtypes loaded printed a KeyboardInterrupt traceback; SIGTERM killed the
+    daemon without a word. The console entry point handles the signals before those imports."""
+    argv = command(
+        ON_IMPORT, [module, str(int(stop))], "yeto-sync",
+        "--learners=1", "--total-steps=4", "--host=127.0.0.1", "--port=0",
+    )  # fmt: skip
+    done = subprocess.run(
+        argv, cwd=REPO, capture_output=True, text=True, timeout=60,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 128 + stop, done.stderr
+    assert done.stdout == ""  # it never listened
+    assert done.stderr.splitlines() == [
+        f"yeto-sync: {stop.name} while starting; no checkpoint written"
+    ]
+
+
+def test_the_entry_module_imports_nothing_heavy() -> None:
+    code = "import json, sys, yeto_sync.cli; print(json.dumps([m for m in sys.modules]))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    loaded = {name.split(".")[0] for name in json.loads(done.stdout)}
+    assert not loaded & {"numpy", "ml_dtypes", "anyio", "construct", "torch", "yeto_proto"}
 
 
 def test_a_closed_stdout_loses_only_the_ready_line() -> None:
