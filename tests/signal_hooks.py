@@ -11,7 +11,8 @@ different point each time:
   handle the stop signals before anything heavy is imported);
 * :data:`ON_FORK` — from an ``os.fork`` hook of the n-th fork: ``before`` or ``after_in_parent``
   in the program itself, ``after_in_child`` in the child that fork made, before it runs its
-  own program (where a handler that raises has its exception swallowed).
+  own program (where a handler that raises has its exception swallowed);
+* :data:`AFTER_CALL` — right after a function of a yeto module returns.
 """
 
 from __future__ import annotations
@@ -58,6 +59,24 @@ def after():
 os.register_at_fork(before=before)
 if where != "before":
     os.register_at_fork(**{where: after})
+"""
+
+AFTER_CALL = """
+import importlib, os, signal, sys
+
+target, signum = sys.argv[1], int(sys.argv[2])
+module_name, name = target.rsplit(".", 1)
+module = importlib.import_module(module_name)
+real = getattr(module, name)
+
+
+def signalled(*args, **kwargs):
+    result = real(*args, **kwargs)
+    os.kill(os.getpid(), signum)
+    return result
+
+
+setattr(module, name, signalled)
 """
 
 _RUN = """

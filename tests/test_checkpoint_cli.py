@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from signal_hooks import AFTER_CALL, command
 
 from yeto_learn.cli import main
 from yeto_proto.checkpoint import (
@@ -259,6 +260,17 @@ def test_usage_errors_exit_2_and_help_exits_0(capsys: pytest.CaptureFixture[str]
     assert "checkpoint" in capsys.readouterr().out
 
 
+def test_ctrl_c_while_inspecting_is_one_line(files: dict[str, Path]) -> None:
+    hook = ["yeto_learn.checkpoint_cli.describe", str(int(signal.SIGINT))]
+    argv = command(AFTER_CALL, hook, "yeto", "checkpoint", "inspect", str(files["v3"]))
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGINT, done.stderr
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "yeto checkpoint inspect: stopped by SIGINT; nothing was written"
+    ]
+
+
 def test_importing_the_command_does_not_import_torch() -> None:
     code = "import sys, yeto_learn, yeto_learn.cli; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -454,6 +466,51 @@ def _limit_file_size() -> None:
     """In the child: a write past 200 bytes fails with EFBIG, as a full disk fails."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["new", "replacing"])
+@pytest.mark.parametrize(
+    ("suffix", "save"), [(".pt", "_save_torch"), (".safetensors", "_save_safetensors")]
+)
+def test_a_signal_once_the_export_is_saved_leaves_no_file_behind(
+    files: dict[str, Path], tmp_path: Path, suffix: str, save: str, earlier: bool
+) -> None:
+    """SIGTERM once the temporary file is whole, before it replaces the output: it killed the
+    process and left the temporary file; now the export stops, removes it and says so."""
+    out = tmp_path / f"model{suffix}"
+    if earlier:
+        out.write_bytes(b"an earlier export")
+    hook = [f"yeto_learn.checkpoint_cli.{save}", str(int(signal.SIGTERM))]
+    argv = command(
+        AFTER_CALL, hook, "yeto", "checkpoint", "export", str(files["v3"]),
+        "--layout", str(files["layout"]), "--out", str(out),
+    )  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    kept = f"{out} was not replaced" if earlier else f"{out} was not written"
+    assert done.stderr.splitlines() == [f"yeto checkpoint export: stopped by SIGTERM; {kept}"]
+    names = ["v1.bin", "v2.bin", "v3.bin", "layout.json", *([out.name] if earlier else [])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+    if earlier:
+        assert out.read_bytes() == b"an earlier export"
+
+
+def test_a_signal_right_after_the_rename_says_the_export_was_written(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "model.safetensors"
+    argv = command(
+        AFTER_CALL, ["os.replace", str(int(signal.SIGTERM))], "yeto", "checkpoint", "export",
+        str(files["v3"]), "--layout", str(files["layout"]), "--out", str(out),
+    )  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert done.stderr.splitlines() == [
+        f"yeto checkpoint export: stopped by SIGTERM; {out} was written"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["v1.bin", "v2.bin", "v3.bin", "layout.json", out.name]
+    )
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])

@@ -586,6 +586,19 @@ def test_a_stop_signal_is_met_at_a_safe_point_and_a_hangup_ignored_at_start_stay
     assert capfd.readouterr().err == "yeto test: SIGINT again; still stopping\n"
 
 
+def test_where_a_stop_may_raise_the_first_signal_raises_and_later_ones_say_so(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    with process_control.stops_raised("yeto test") as stops:
+        with pytest.raises(process_control.Stopped) as stopped:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # cut short
+        assert stopped.value.signum == signal.SIGINT and stops.stopping
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+    assert capfd.readouterr().err == "yeto test: SIGTERM again; still stopping\n"
+
+
 # -- a stop signal at the moments that lost it ----------------------------------------------------
 SMALL_RUN = ("launch", "--learners", "3", "--steps", "50", "--fragments", "2", "--streams", "0")
 

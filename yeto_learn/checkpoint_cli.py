@@ -4,6 +4,8 @@ Both read through :func:`yeto_proto.checkpoint.read_checkpoint`, so a file is us
 validated completely; export proves the layout first and then replaces the output atomically.
 Bad input raises a :class:`~yeto_proto.errors.ProtocolError`, which ``yeto`` turns into one line on
 stderr and exit code 2; an export that cannot be written (a full disk) is one line and exit 1.
+SIGINT, SIGTERM or SIGHUP stops either at once, with one line that says whether the export's
+file was written (no temporary file is left), and exit code 128 + the signal.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +37,7 @@ from yeto_proto.constants import DIGEST_SIZE, IsoBackend
 from yeto_proto.errors import CheckpointError, ErrorCode
 
 from . import output
+from .process_control import Stopped, stops_raised
 
 if TYPE_CHECKING:
     from yeto_proto.checkpoint import ExportedTensors
@@ -221,14 +225,47 @@ def _or_none(value: str | None) -> str:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    info = describe(args.path)
-    output.out(json.dumps(info, indent=2) if args.json else render_text(info))
+    try:
+        with stops_raised(args.command_prog):
+            info = describe(args.path)
+            output.out(json.dumps(info, indent=2) if args.json else render_text(info))
+    except Stopped as stop:
+        print(f"{args.command_prog}: stopped by {stop}; nothing was written", file=sys.stderr)
+        return 128 + stop.signum
     return 0
 
 
 # -- export ----------------------------------------------------------------------------------------
 def run_export(args: argparse.Namespace) -> int:
     out: Path = args.out
+    before = _file_identity(out)
+    try:
+        with stops_raised(args.command_prog) as stops:
+            return _export(args, out, stops.check)
+    except Stopped as stop:
+        # The output is replaced by one rename, after the new file is whole: it changed or not.
+        if _file_identity(out) != before:
+            kept = f"{out} was written"
+        elif before is None:
+            kept = f"{out} was not written"
+        else:
+            kept = f"{out} was not replaced"
+        print(f"{args.command_prog}: stopped by {stop}; {kept}", file=sys.stderr)
+        return 128 + stop.signum
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    """Device and inode of ``path``, or None if there is no such file."""
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
+
+
+def _export(args: argparse.Namespace, out: Path, check: Callable[[], None]) -> int:
+    """The export itself. ``check`` raises :class:`Stopped` if a stop signal arrived (one the
+    handler's exception was swallowed for): it is asked right before the output is replaced."""
     layout = load_layout(args.layout)
     checkpoint = read_checkpoint(args.path, mapped=True)
     legacy = LegacyIdentity(
@@ -246,7 +283,7 @@ def run_export(args: argparse.Namespace) -> int:
     save = _save_safetensors if out.suffix.lower() in SAFETENSORS_SUFFIXES else _save_torch
     try:
         # An OSError (a full disk, say) becomes CKPT_IO naming the file; no temp file is left.
-        with atomic_replace(out) as staging:
+        with atomic_replace(out, before_replace=check) as staging:
             try:
                 save(exported, staging)
             except RuntimeError as exc:  # torch's own failures

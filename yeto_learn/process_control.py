@@ -35,6 +35,7 @@ __all__ = [
     "exit_process",
     "say",
     "spawn",
+    "stops_raised",
     "stops_recorded",
 ]
 
@@ -93,8 +94,9 @@ def spawn(argv: list[str], **options: Any) -> subprocess.Popen[str]:
     with them blocked: one sent to it before :func:`child_setup` gave them their default actions
     waits for that, instead of running this process's handler in the child's copy. Here the
     handler may still run inside the fork (another thread can take the signal, and the main
-    thread runs the handler), which is why it only records: the caller meets the signal at its
-    next :meth:`~StopSignals.check`, once it holds the child.
+    thread runs the handler), so call this only while it records, not
+    :attr:`~StopSignals.raising`: the caller meets the signal at its next
+    :meth:`~StopSignals.check`, once it holds the child.
     """
     blocked = _handled_stop_signals()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
@@ -117,6 +119,18 @@ def stops_recorded(command: str) -> Iterator[StopSignals]:
     from inside a fork, a ``preexec_fn`` or a library, where it could be lost.
     """
     stops = StopSignals(command).install()
+    try:
+        yield stops
+    finally:
+        stops.uninstall()
+
+
+@contextlib.contextmanager
+def stops_raised(command: str) -> Iterator[StopSignals]:
+    """A stop signal raises :class:`Stopped` at once during the block: for a command that starts
+    no child and waits for nothing, so that a long read or write is cut short. Otherwise as
+    :func:`stops_recorded`."""
+    stops = StopSignals(command, raising=True).install()
     try:
         yield stops
     finally:

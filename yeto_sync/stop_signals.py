@@ -4,9 +4,11 @@ and how a process notices them.
 A handler runs wherever the main thread happens to be, which can be code that cannot take an
 exception: ``os.fork``'s hooks (logging's ``_releaseLock``, threading's ``_after_fork``), a
 ``preexec_fn``, a ``__del__``. There the interpreter prints "Exception ignored in …" and goes on,
-and a stop raised there is lost. So the handler only records the signal, and the program asks
-:meth:`StopSignals.check` at its safe points (between child starts, in its wait loops), which
-raises :class:`Stopped` there.
+and a stop raised there is lost. So by default the handler only records the signal, and the
+program asks :meth:`StopSignals.check` at its safe points (between child starts, in its wait
+loops), which raises :class:`Stopped` there. Straight-line commands that start no child and
+wait for nothing (``yeto checkpoint …``) set :attr:`StopSignals.raising`: the handler then
+raises at once, so a long read or write is cut short.
 """
 
 from __future__ import annotations
@@ -50,12 +52,15 @@ class StopSignals:
     and marks the stop as under way (:attr:`stopping`). Every later signal only says on stderr
     that the command is still stopping: a second Ctrl+C is common while children stop, and it
     must not cut that short and leave the run without its last line. A recorded signal cannot
-    be lost, so nothing needs a later signal to escalate.
+    be lost, so nothing needs a later signal to escalate. With :attr:`raising`, the first signal
+    raises :class:`Stopped` from the handler itself and marks the stop as under way; should that
+    exception be swallowed ("Exception ignored in …"), the next :meth:`check` raises it again.
     """
 
-    def __init__(self, command: str) -> None:
+    def __init__(self, command: str, *, raising: bool = False) -> None:
         #: The program's name in the "still stopping" note (``yeto launch``, ``yeto-sync``).
         self.command = command
+        self.raising = raising
         self.received: int | None = None
         self.stopping = False
         self.signals: tuple[signal.Signals, ...] = ()
@@ -81,18 +86,23 @@ class StopSignals:
     def check(self) -> None:
         """Raise :class:`Stopped` if a stop signal arrived: a safe point of the normal flow.
 
-        From here on the stop is under way. Call it only where the program goes on normally,
-        not while it handles a stop.
+        From here on the stop is under way. Call it only where the program goes on normally
+        (not while it handles a stop), so that an exception the interpreter swallowed is
+        raised again.
         """
         if self.received is not None:
             self.stopping = True
             raise Stopped(self.received)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is not None:
+        if self.stopping or (self.received is not None and not self.raising):
             note(f"{self.command}: {signal.Signals(signum).name} again; still stopping")
             return
-        self.received = signum
+        if self.received is None:
+            self.received = signum
+        if self.raising:
+            self.stopping = True
+            raise Stopped(self.received)
 
 
 _installed: StopSignals | None = None
