@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from signal_hooks import AFTER_CALL, command
+from signal_hooks import AFTER_CALL, ON_IMPORT, command
 
 from yeto_learn.cli import main
 from yeto_proto.checkpoint import (
@@ -258,6 +258,20 @@ def test_usage_errors_exit_2_and_help_exits_0(capsys: pytest.CaptureFixture[str]
     assert main(["checkpoint"]) == 2
     assert main(["--help"]) == 0
     assert "checkpoint" in capsys.readouterr().out
+
+
+def test_ctrl_c_while_yeto_loads_is_one_line(files: dict[str, Path]) -> None:
+    """Ctrl+C as ml_dtypes loads: no KeyboardInterrupt traceback, one line, exit 130."""
+    argv = command(
+        ON_IMPORT, ["ml_dtypes", str(int(signal.SIGINT))], "yeto",
+        "checkpoint", "inspect", str(files["v3"]),
+    )  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGINT, done.stderr
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "yeto checkpoint inspect: stopped by SIGINT while starting; nothing was written"
+    ]
 
 
 def test_ctrl_c_while_inspecting_is_one_line(files: dict[str, Path]) -> None:

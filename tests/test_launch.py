@@ -21,7 +21,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
-from signal_hooks import ON_FORK, command, processes_naming
+from signal_hooks import AFTER_CALL, ON_FORK, ON_IMPORT, command, processes_naming
 from syncer_process import REPO, child_env, running_syncer
 
 from yeto_learn import bench_closure, cli, launch, process_control
@@ -673,3 +673,39 @@ def test_a_stop_signal_that_reaches_a_child_before_it_runs_its_program_ends_it(
         f"yeto launch: failed: learner-0 exited with {-signal.SIGTERM}: no output; kept: "
     ), errors
     assert not left, f"processes {left} outlived the launcher"
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_stop_signal_while_yeto_loads_is_its_last_line(
+    tmp_path: Path, stop: signal.Signals
+) -> None:
+    """The signal comes as numpy starts to load, before ``yeto launch`` parsed its flags."""
+    out = tmp_path / "run"
+    code, rest, errors, _ = _run_to_the_end(
+        command(ON_IMPORT, ["numpy", str(int(stop))], "yeto", *SMALL_RUN, "--out", str(out))
+    )
+    assert code == 128 + stop, errors
+    assert rest == ""
+    assert errors.splitlines() == [
+        f"yeto launch: stopped by {stop.name} while starting; nothing was written"
+    ]
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_stop_signal_as_the_output_folder_is_made_stops_before_any_child(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    hook = ["yeto_learn.launch.make_output_dir", str(int(signal.SIGTERM))]
+    code, rest, errors, _ = _run_to_the_end(
+        command(AFTER_CALL, hook, "yeto", *SMALL_RUN, "--out", str(out))
+    )
+    assert code == 128 + signal.SIGTERM, errors
+    assert "Traceback" not in errors
+    assert rest.strip().splitlines() == [
+        "yeto launch: stopped by SIGTERM after 0.0 s; every process ended; kept: no checkpoint "
+        "(none was written yet); no learner artifact was written (the run did not finalize); "
+        f"logs in {out}"
+    ]
+    assert sorted(p.name for p in out.iterdir()) == ["syncer"]

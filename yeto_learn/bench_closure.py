@@ -712,6 +712,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     try:
         with stops_recorded(args.command_prog) as stops:
+            stops.check()  # one that came while the command started
             # stdout's reader may go away: it goes on
             result = run_closure(config, say=say, check=stops.check)
     except ClosureFailed as exc:

@@ -384,6 +384,7 @@ def run(args: argparse.Namespace) -> int:
     # inside a fork, where the interpreter would swallow the exception and lose the stop.
     with stops_recorded("yeto launch") as stops:
         try:
+            stops.check()  # one that came while the command started
             return _launch(args, paths, children, started, stops)
         except Stopped as stop:
             stop_children(children)

@@ -115,26 +115,42 @@ def spawn(argv: list[str], **options: Any) -> subprocess.Popen[str]:
 def stops_recorded(command: str) -> Iterator[StopSignals]:
     """The stop signals recorded for ``command`` during the block, to be met at its safe points.
 
-    A signal arrives as :class:`Stopped` at :meth:`StopSignals.check` only: nothing is raised
-    from inside a fork, a ``preexec_fn`` or a library, where it could be lost.
+    The process's :class:`StopSignals` (the ``yeto`` entry point's, which saw any signal that
+    came while the command started) is used if there is one, under ``command``'s name; else
+    one is installed for the block. A signal arrives as :class:`Stopped` at
+    :meth:`StopSignals.check` only: nothing is raised from inside a fork, a ``preexec_fn`` or a
+    library, where it could be lost.
     """
-    stops = StopSignals(command).install()
-    try:
+    with _stop_handling(command, raising=False) as stops:
         yield stops
-    finally:
-        stops.uninstall()
 
 
 @contextlib.contextmanager
 def stops_raised(command: str) -> Iterator[StopSignals]:
-    """A stop signal raises :class:`Stopped` at once during the block: for a command that starts
-    no child and waits for nothing, so that a long read or write is cut short. Otherwise as
-    :func:`stops_recorded`."""
-    stops = StopSignals(command, raising=True).install()
+    """A stop signal raises :class:`Stopped` at once during the block (one that came earlier
+    too, as the block starts): for a command that starts no child and waits for nothing, so
+    that a long read or write is cut short. Otherwise as :func:`stops_recorded`."""
+    with _stop_handling(command, raising=True) as stops:
+        stops.check()
+        yield stops
+
+
+@contextlib.contextmanager
+def _stop_handling(command: str, *, raising: bool) -> Iterator[StopSignals]:
+    stops = installed()
+    if stops is None:
+        own = StopSignals(command, raising=raising).install()
+        try:
+            yield own
+        finally:
+            own.uninstall()
+        return
+    name, was_raising = stops.command, stops.raising
+    stops.command, stops.raising = command, raising
     try:
         yield stops
     finally:
-        stops.uninstall()
+        stops.command, stops.raising = name, was_raising
 
 
 def divert_closed_stdout() -> None:

@@ -1,6 +1,12 @@
 """The signals that stop a yeto process the orderly way (its last line, its children stopped),
 and how a process notices them.
 
+Each console entry point installs a :class:`StopSignals` first thing, before it imports numpy,
+anyio or torch: a signal that arrives while those load is recorded, not met by Python's default
+actions (a ``KeyboardInterrupt`` traceback from inside an import, or death by SIGTERM without a
+word), and the command then stops with its last line. This module imports nothing else for that
+reason.
+
 A handler runs wherever the main thread happens to be, which can be code that cannot take an
 exception: ``os.fork``'s hooks (logging's ``_releaseLock``, threading's ``_after_fork``), a
 ``preexec_fn``, a ``__del__``. There the interpreter prints "Exception ignored in …" and goes on,
@@ -120,3 +126,13 @@ def note(text: str) -> None:
     """
     with contextlib.suppress(OSError):
         os.write(2, f"{text}\n".encode())
+
+
+def ignore_stop_signals(signals: tuple[signal.Signals, ...]) -> None:
+    """Ignore ``signals`` from now on: the process has its last line and is only exiting.
+
+    A handler would be removed while the interpreter finalizes, and a signal then would kill the
+    process after its last line; an ignored signal stays ignored.
+    """
+    for signum in signals:
+        signal.signal(signum, signal.SIG_IGN)
