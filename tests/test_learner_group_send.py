@@ -11,6 +11,7 @@ import gc
 import socket
 import threading
 import weakref
+from collections.abc import Sequence
 
 import anyio
 import anyio.to_thread
@@ -19,6 +20,7 @@ import numpy as np
 from yeto_learn.transport.group import ConnectionGroup, Counters
 from yeto_proto import (
     FRAME_MAGIC,
+    AnyMessage,
     FinalAck,
     FrameType,
     Heartbeat,
@@ -62,41 +64,11 @@ def _exactly(sock: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
-def test_a_push_superseded_before_its_first_byte_is_replaced_in_place() -> None:
-    learner_end, syncer_end = socket.socketpair()
-    learner_end.setblocking(False)
-    counters = Counters()
-    group = ConnectionGroup(
-        [learner_end], LIMITS, deliver=lambda m: None, counters=counters, recv_buffer=bytearray(64)
-    )
-    received: list[tuple[int, tuple[int, ...]]] = []
-
-    async def scenario() -> None:
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(group.run)
-            group.send(push(0, 1, STUCK_BYTES))
-            await anyio.sleep(0.2)  # step 1 is half written: started, so it stays
-            group.send(push(0, 2))  # waits behind step 1 ...
-            group.send(push(1, 3))  # another fragment: kept
-            group.send(push(0, 4))  # ... and step 4 takes its place, before its first byte
-            group.send(Heartbeat(3, 9))
-            received.extend(await anyio.to_thread.run_sync(read_frames, syncer_end, 4))
-            group.stop("done", flush=False)
-
-    try:
-        anyio.run(scenario)
-    finally:
-        syncer_end.close()
-    pushes = [(f[1], f[2]) for kind, f in received if kind == FrameType.PUSH_FRAGMENT]
-    assert pushes == [(0, 1), (0, 4), (1, 3)]  # (fragment, step): step 2 never went out
-    assert received[-1] == (FrameType.HEARTBEAT, (3, 9))
-    assert counters.frames_dropped == 1
-    assert group.unsent == []
-
-
-def test_the_final_ack_does_not_wait_behind_pushes_that_have_not_started() -> None:
-    # Every round ended before the final cut: the queued PUSHes would only be rejected, and
-    # on one socket the FINAL_ACK waited behind them (33 s per 16 MiB at 4 Mbit/s).
+def behind_a_started_push(
+    then: Sequence[AnyMessage], frames: int
+) -> tuple[list[tuple[int, tuple[int, ...]]], Counters, ConnectionGroup]:
+    """Send a PUSH (fragment 0, step 1) too large for the socket buffers, then, once it has
+    started, ``then``; the first ``frames`` frames the syncer reads, the counters, the group."""
     learner_end, syncer_end = socket.socketpair()
     learner_end.setblocking(False)
     counters = Counters()
@@ -110,15 +82,42 @@ def test_the_final_ack_does_not_wait_behind_pushes_that_have_not_started() -> No
             tasks.start_soon(group.run)
             group.send(push(0, 1, STUCK_BYTES))
             await anyio.sleep(0.2)  # step 1 is half written: started, so it goes out whole
-            group.send(push(1, 2))  # not started when the cut is applied: withdrawn
-            group.send(FinalAck(7))
-            received.extend(await anyio.to_thread.run_sync(read_frames, syncer_end, 2))
+            for message in then:
+                group.send(message)
+            received.extend(await anyio.to_thread.run_sync(read_frames, syncer_end, frames))
             group.stop("done", flush=False)
 
     try:
         anyio.run(scenario)
     finally:
         syncer_end.close()
+    return received, counters, group
+
+
+def test_a_push_superseded_before_its_first_byte_is_replaced_in_place() -> None:
+    received, counters, group = behind_a_started_push(
+        [
+            push(0, 2),  # waits behind step 1 ...
+            push(1, 3),  # another fragment: kept
+            push(0, 4),  # ... and step 4 takes its place, before its first byte
+            Heartbeat(3, 9),
+        ],
+        frames=4,
+    )
+    pushes = [(f[1], f[2]) for kind, f in received if kind == FrameType.PUSH_FRAGMENT]
+    assert pushes == [(0, 1), (0, 4), (1, 3)]  # (fragment, step): step 2 never went out
+    assert received[-1] == (FrameType.HEARTBEAT, (3, 9))
+    assert counters.frames_dropped == 1
+    assert group.unsent == []
+
+
+def test_the_final_ack_does_not_wait_behind_pushes_that_have_not_started() -> None:
+    # Every round ended before the final cut: the queued PUSHes would only be rejected, and
+    # on one socket the FINAL_ACK waited behind them (33 s per 16 MiB at 4 Mbit/s).
+    received, counters, group = behind_a_started_push(
+        [push(1, 2), FinalAck(7)],  # step 2 has not started when the cut is applied: withdrawn
+        frames=2,
+    )
     assert [kind for kind, _ in received] == [FrameType.PUSH_FRAGMENT, FrameType.FINAL_ACK]
     assert received[0][1][1:3] == (0, 1)  # (fragment, step) of the PUSH that had started
     assert counters.frames_dropped == 1
