@@ -326,8 +326,9 @@ def _one_error_line(err: str, *words: str) -> None:
         (["--port", "70000"], "--port"),
         (["--port", "-1"], "--port"),
         (["--sync-interval", "0"], "--sync-interval"),
+        (["--merge", "rda", "--fragments", "1"], "--fragments 1 with --merge rda"),
     ],
-    ids=["batch-0", "batch-negative", "port-high", "port-negative", "sync-interval-0"],
+    ids=["batch-0", "batch-negative", "port-high", "port-negative", "sync-interval-0", "rda-1"],
 )
 def test_bad_numbers_are_refused_before_anything_is_created(
     tmp_path: Path,

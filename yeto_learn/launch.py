@@ -348,6 +348,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
     most = most_fragments(byte_model_shapes(), MergeMode[args.merge.upper()])
     if args.fragments > most:  # the learners would refuse it, after everything started
         return f"--fragments must be at most {most} for the demo model with --merge {args.merge}"
+    try:
+        demo_layout(args)  # rda/iso also need a fragment of their own for the biases
+    except ValueError as exc:
+        return f"--fragments {args.fragments} with --merge {args.merge}: {exc}"
     if args.steps < 1:
         return "--steps must be at least 1"
     if not 0 <= args.streams <= MAX_STREAMS:
