@@ -18,8 +18,9 @@ Every wait is bounded:
   inside a shielded cancel scope, so cancellation never leaves half a frame followed by more
   bytes; a write that makes no progress for ``stall_timeout`` seconds drops the group;
 - the driver's ``send`` never waits for a learner: it appends to the group's outbox, where a
-  newer BCAST (or the final cut's FINAL_FRAGMENT) of a fragment replaces a BCAST not queued
-  yet, and a BCAST stays until the group's sockets wrote everything before it, so a slow link
+  newer BCAST (or the final cut's FINAL_FRAGMENT, unless it is the group's first of that
+  fragment) of a fragment replaces a BCAST not queued yet, and a BCAST stays, passed by the
+  group's other messages, until the group's sockets wrote everything before it, so a slow link
   is not spent on versions out of date before they leave; the group's own task cuts messages into
   frames for per-socket send queues of at most ``send_queue_bytes`` and waits for room
   (backpressure) as long as the socket keeps taking bytes, dropping that group once it took
@@ -330,12 +331,18 @@ class _Outbox:
         self.pending.append((message, progress))
         self.changed.set()
 
-    def take(self) -> tuple[AnyMessage, PayloadProgress | None]:
-        """The next message to cut into frames."""
-        message, progress = self.pending.popleft()
-        if isinstance(message, BcastFragment):
-            self.bcast_sent.add(message.fragment_id)
-        return message, progress
+    def take(self, bcasts_may_go: bool) -> tuple[AnyMessage, PayloadProgress | None] | None:
+        """The next message to cut into frames, oldest first; BCASTs only if they may go now
+        (else the others pass them: a PULL may overtake a BCAST, spec/learner.md § 5).
+        ``None`` when only held BCASTs are left."""
+        for index, (message, progress) in enumerate(self.pending):
+            if isinstance(message, BcastFragment):
+                if not bcasts_may_go:
+                    continue
+                self.bcast_sent.add(message.fragment_id)
+            del self.pending[index]
+            return message, progress
+        return None
 
 
 def _address_text(address: object) -> str:
@@ -529,12 +536,12 @@ class TcpTransport:
                     outbox.changed = anyio.Event()
                     with anyio.move_on_after(1.0):  # also notices a group that closed
                         await outbox.changed.wait()
-                message, progress = outbox.pending[0]
-                if isinstance(message, BcastFragment) and not await self._sockets_idle(
-                    group, outbox
-                ):
-                    continue  # not yet: the outbox may have changed meanwhile, look again
-                outbox.take()
+                queues = self._queues_of(group)
+                taken = outbox.take(all(queue.idle for queue in queues))
+                if taken is None:  # only BCASTs, held until the sockets are idle
+                    await self._until_changed(queues, outbox)
+                    continue
+                message, progress = taken
                 outbox.busy = True
                 queued = await self._queue(group, message, progress)
                 outbox.busy = False
@@ -546,28 +553,28 @@ class TcpTransport:
             if self._outboxes.get(group) is outbox:
                 del self._outboxes[group]
 
-    async def _sockets_idle(self, group: GroupKey, outbox: _Outbox) -> bool:
-        """True when every socket of ``group`` has written all it was given; else wait until
-        one of them or the outbox changes (at most a second), and return False.
+    def _queues_of(self, group: GroupKey) -> list[SendQueue]:
+        """The send queues of ``group``'s sockets.
 
-        A BCAST is cut into frames only then: until its first byte can go out, a newer BCAST
-        of its fragment (or the final cut) may still replace it. Behind a slow link, frames
-        queued early were each a version out of date before they left (three 32 MiB BCASTs,
-        ~90 s each at 3 Mbit/s, after the learner's newest was committed).
+        A BCAST is cut into frames only once they are all idle: until its first byte can go
+        out, a newer BCAST of its fragment (or the final cut) may still replace it. Behind a
+        slow link, frames queued early were each a version out of date before they left
+        (three 32 MiB BCASTs, ~90 s each at 3 Mbit/s, after the learner's newest was
+        committed).
         """
-        queues = [
+        return [
             peer.queue
             for conn in self.groups.sockets_of(group)
             if (peer := self._peers.get(conn)) is not None
         ]
-        if all(queue.idle for queue in queues):
-            return True
+
+    async def _until_changed(self, queues: list[SendQueue], outbox: _Outbox) -> None:
+        """Wait until one of ``queues`` or the outbox changes (at most a second)."""
         outbox.changed = anyio.Event()
         for queue in queues:
             queue.also_notify = outbox.changed
         with anyio.move_on_after(1.0):  # also notices a group that closed
             await outbox.changed.wait()
-        return False
 
     async def _queue(
         self, group: GroupKey, message: AnyMessage, progress: PayloadProgress | None
