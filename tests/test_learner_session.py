@@ -1051,6 +1051,18 @@ def test_the_connection_carrying_budget_done_gets_no_frozen_push() -> None:
     assert (push.global_step, push.c_steps) == (4, 1)
 
 
+def test_a_pull_whose_round_committed_without_this_learner_waits_for_no_step() -> None:
+    # finish(stop_when_stuck=True) gave up on such a pull, although the syncer no longer
+    # needs it (a --quorum below the captured learners committed the round without it).
+    t = connected()
+    for p in range(3):
+        t.receive(bcast(t.session, p, 1, globals_for(52)[p]))
+    t.receive(PullReq(0, 4, 1))  # no step since fragment 0's BCAST: only a step answers it
+    assert t.session.pulls_awaiting_a_step() == [0]
+    t.receive(bcast(t.session, 0, 4, globals_for(53)[0]))  # round 4 committed without it
+    assert t.session.pulls_awaiting_a_step() == []
+
+
 def test_no_push_after_the_final_cut_is_applied() -> None:
     t = connected()
     cut = final_cut()

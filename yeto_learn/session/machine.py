@@ -214,14 +214,17 @@ class LearnerSession:
 
     def pulls_awaiting_a_step(self) -> list[int]:
         """Fragments whose pending PULL waits for nothing but a local step (none was taken
-        since their last applied BCAST): a learner that stopped training never answers them."""
+        since their last applied BCAST): a learner that stopped training never answers them.
+        A PULL whose round committed without this learner (its fragment's anchor is at that
+        round's version already) is not needed any more and does not count."""
         if self._budget_reported or self._final.started:
             return []  # frozen pulls need no step; after the cut no pull is answered at all
         return [
             p
             for p, state in enumerate(self._fragments)
             if state.pull is not None
-            and self._anchors[p] is not None
+            and (anchor := self._anchors[p]) is not None
+            and state.pull.global_step > anchor.version
             and p not in self._awaiting_first
             and state.apply_pending is None
             and state.c_steps == 0
