@@ -37,6 +37,7 @@ from yeto_learn import (
 from yeto_learn import learner as learner_module
 from yeto_learn.learner import RUN_ID_FILE
 from yeto_learn.session import Phase
+from yeto_learn.transport import GroupUp
 from yeto_proto import ErrorCode
 
 
@@ -176,6 +177,18 @@ def test_a_learner_cut_off_from_its_syncer_does_not_blame_the_rounds(
             learner._no_round_check_at = 0.0
             train_steps(learner, model, 3)
         assert not [r for r in caplog.records if "pulled nothing" in r.getMessage()]
+
+
+def test_the_time_without_pulls_counts_from_a_reconnect() -> None:
+    # After a two-minute redial the first step warned that the syncer "pulled nothing for
+    # 130 s", counting the time the learner itself was cut off.
+    learner = Learner.__new__(Learner)  # only the bookkeeping of a new group
+    learner._session = SimpleNamespace(hello=lambda *args, **kwargs: None)  # type: ignore[assignment]
+    learner.learner_id, learner._epoch, learner._final = 1, 1, None
+    learner._unsent_budget_epoch, learner._budget_due = None, False
+    learner._last_pull_at = time.monotonic() - 130.0
+    learner._plan([GroupUp(epoch=2, generation=7, num_streams=0)])
+    assert time.monotonic() - learner._last_pull_at < 5.0
 
 
 def test_how_long_without_a_pull_is_unusual_follows_the_runs_own_pace() -> None:

@@ -859,6 +859,8 @@ class Learner:
                 case GroupUp():
                     self._epoch = item.epoch
                     session.hello(item.num_streams, generation=item.generation)
+                    # Time cut off is no round's fault: "pulled nothing for" counts from here.
+                    self._last_pull_at = max(self._last_pull_at, time.monotonic())
                     if self.learner_id == 0:
                         with _own_values_checked():
                             inits = session.init_messages(self._params.read_copy)
