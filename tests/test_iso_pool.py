@@ -248,6 +248,7 @@ def test_the_syncer_process_never_imports_torch(tmp_path: Path) -> None:
             import sys
             import numpy as np
             import yeto_sync.cli
+            import yeto_sync.daemon
             from yeto_sync.iso import IsoPoolSettings, IsoWorkerPool
 
             if __name__ == "__main__":
