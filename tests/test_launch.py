@@ -564,6 +564,14 @@ def test_a_kept_checkpoint_comes_with_the_commands_that_use_it(tmp_path: Path) -
     assert f"`yeto checkpoint inspect {paths.checkpoint}`" in said, said
     export = f"`yeto checkpoint export {paths.checkpoint} --layout {paths.layout} --out "
     assert export + f"{tmp_path / 'model.safetensors'}`" in said, said
+    spaced = launch.Paths(tmp_path / "my run")  # quoted, so the command still copies and runs
+    spaced.syncer_dir.mkdir(parents=True)
+    spaced.checkpoint.write_bytes(b"")
+    spaced.syncer_log.write_text(
+        f"yeto-sync: stopped by SIGTERM; last durable checkpoint {spaced.checkpoint} at "
+        "global_step 1\n"
+    )
+    assert f"`yeto checkpoint inspect '{spaced.checkpoint}'`" in launch._syncer_kept(spaced)
 
 
 def test_a_stop_signal_is_met_at_a_safe_point_and_a_hangup_ignored_at_start_stays_ignored(

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import queue
+import shlex
 import subprocess
 import sys
 import threading
@@ -430,12 +431,14 @@ def _checkpoint_use(paths: Paths) -> str:
     a run (its learners would need the run's id, flags and a resumed syncer)."""
     if not paths.checkpoint.exists():
         return ""
-    use = f"`yeto checkpoint inspect {paths.checkpoint}`"
+    # Quoted for a shell, so a folder with a space in its name still copies and runs.
+    checkpoint, layout = shlex.quote(str(paths.checkpoint)), shlex.quote(str(paths.layout))
+    use = f"`yeto checkpoint inspect {checkpoint}`"
     if paths.layout.exists():
-        export = paths.out / "model.safetensors"
+        export = shlex.quote(str(paths.out / "model.safetensors"))
         use += (
-            f", export its parameters with `yeto checkpoint export {paths.checkpoint} "
-            f"--layout {paths.layout} --out {export}`"
+            f", export its parameters with `yeto checkpoint export {checkpoint} "
+            f"--layout {layout} --out {export}`"
         )
     return f" (yeto launch cannot resume it; read it with {use})"
 
