@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
-import queue
 import subprocess
 import sys
 import threading
@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from yeto_proto.checkpoint import (
     Checkpoint,
@@ -63,7 +63,7 @@ from .command_options import (
 )
 from .demo_shapes import byte_model_shapes
 from .model_layout import most_fragments
-from .process_control import Stopped, say, spawn, stops_recorded
+from .process_control import Stopped, first_line, poll_until, say, spawn, stops_recorded
 
 if TYPE_CHECKING:
     from .cli import Commands
@@ -81,8 +81,6 @@ STOP_GRACE_S = 5.0
 #: How long a stopped or failed closure waits for its learner threads to end (importing torch
 #: takes seconds on a busy machine).
 LEARNER_STOP_GRACE_S = 5.0
-#: Longest wait between two looks at the stop signals.
-POLL_S = 0.25
 #: The tiny model: ByteModel(context, embed, hidden) of yeto_learn.demo_model.
 TINY_MODEL = (8, 8, 32)
 MODEL_SEED = 0
@@ -277,19 +275,7 @@ def start_syncer(
     syncer = SyncerProcess(name, process, log_path)
     try:
         assert process.stdout is not None
-        first: queue.SimpleQueue[str] = queue.SimpleQueue()
-        stdout: IO[str] = process.stdout
-        threading.Thread(target=lambda: first.put(stdout.readline()), daemon=True).start()
-        deadline = time.monotonic() + SYNCER_START_TIMEOUT_S
-        while True:
-            check()
-            try:
-                line = first.get(timeout=min(POLL_S, max(deadline - time.monotonic(), 0.0)))
-                break
-            except queue.Empty:
-                if time.monotonic() >= deadline:
-                    line = ""
-                    break
+        line = first_line(process.stdout, SYNCER_START_TIMEOUT_S, check) or ""
         if not line.startswith(LISTENING):
             raise ClosureFailed(f"the {name} syncer did not start: {syncer.last_line() or line!r}")
         syncer.port = int(line.strip().rsplit(":", 1)[1])
@@ -424,6 +410,12 @@ def _train_learner(
 
 
 # -- the closure ---------------------------------------------------------------------------------
+def _joined(thread: threading.Thread, wait: float) -> bool | None:
+    """True once ``thread`` ended (waiting at most ``wait`` seconds), else None."""
+    thread.join(wait)
+    return None if thread.is_alive() else True
+
+
 def _wait_for_exit(
     syncer: SyncerProcess, crew: Crew, deadline: float, what: str, check: Callable[[], None]
 ) -> int:
@@ -546,10 +538,7 @@ def run_closure(
             raise ClosureFailed(f"the consolidation syncer exited {code}: {restart.last_line()}")
         final_step = cutoff_step + fragments
         for thread in crew.threads:
-            joined_by = time.monotonic() + config.consolidation_timeout
-            while thread.is_alive() and time.monotonic() < joined_by:
-                check()
-                thread.join(min(POLL_S, max(joined_by - time.monotonic(), 0.0)))
+            poll_until(functools.partial(_joined, thread), config.consolidation_timeout, check)
         failure = crew.failure()
         if failure is not None:
             raise ClosureFailed(f"consolidation: {failure}")

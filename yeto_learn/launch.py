@@ -49,7 +49,16 @@ from .command_options import (
 )
 from .demo_shapes import byte_model_shapes
 from .model_layout import build_layout, most_fragments
-from .process_control import Stopped, StopSignals, say, spawn, stops_recorded
+from .process_control import (
+    POLL_S,
+    Stopped,
+    StopSignals,
+    first_line,
+    poll_until,
+    say,
+    spawn,
+    stops_recorded,
+)
 
 if TYPE_CHECKING:
     from .cli import Commands
@@ -60,8 +69,6 @@ EXIT_BAD_INPUT = 2
 #: Seconds a child gets to exit after SIGTERM before it is killed.
 STOP_GRACE_S = 5.0
 SYNCER_START_TIMEOUT_S = 30.0
-#: Longest wait between two looks at the stop signals.
-POLL_S = 0.25
 #: Seconds between status lines when stdout is not a terminal.
 PLAIN_REPORT_EVERY_S = 5.0
 
@@ -595,36 +602,21 @@ def starting_line(args: argparse.Namespace, address: str, rounds: int, out: Path
 
 def _await_listening(syncer: Child, stops: StopSignals) -> str | None:
     """The syncer's ``HOST:PORT`` from its one stdout line, or None if it did not start."""
-    found: queue.SimpleQueue[str] = queue.SimpleQueue()
     assert syncer.process.stdout is not None
-    stdout = syncer.process.stdout
-
-    def read() -> None:
-        found.put(stdout.readline())
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + SYNCER_START_TIMEOUT_S
-    while True:
-        stops.check()
-        try:
-            line = found.get(timeout=min(POLL_S, max(deadline - time.monotonic(), 0.0)))
-            break
-        except queue.Empty:
-            if time.monotonic() >= deadline:
-                return None
+    line = first_line(syncer.process.stdout, SYNCER_START_TIMEOUT_S, stops.check)
     prefix = "yeto-sync listening on "
-    return line.strip().removeprefix(prefix) if line.startswith(prefix) else None
+    return line.strip().removeprefix(prefix) if line and line.startswith(prefix) else None
 
 
 def _wait(process: subprocess.Popen[str], timeout: float, stops: StopSignals) -> int | None:
     """``process``'s exit code, or None if it still runs after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stops.check()
+
+    def exited(wait: float) -> int | None:
         with contextlib.suppress(subprocess.TimeoutExpired):
-            return process.wait(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
-        if time.monotonic() >= deadline:
-            return None
+            return process.wait(wait)
+        return None
+
+    return poll_until(exited, timeout, stops.check)
 
 
 def _follow(

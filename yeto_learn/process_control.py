@@ -16,12 +16,14 @@ import contextlib
 import functools
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn, TypeVar
 
 from yeto_sync.stop_signals import Stopped, StopSignals, installed, stop_signals
 
@@ -33,11 +35,48 @@ __all__ = [
     "child_setup",
     "divert_closed_stdout",
     "exit_process",
+    "first_line",
+    "poll_until",
     "say",
     "spawn",
     "stops_raised",
     "stops_recorded",
 ]
+
+
+T = TypeVar("T")
+
+#: Longest wait between two looks at the stop signals.
+POLL_S = 0.25
+
+
+def poll_until(
+    ready: Callable[[float], T | None], timeout: float, check: Callable[[], None]
+) -> T | None:
+    """What ``ready(wait)`` returns once it is not None (``ready`` waits at most ``wait``
+    seconds for it), or None after ``timeout`` seconds; ``check`` (which raises
+    :class:`Stopped` once a stop signal arrived) is asked at least every :data:`POLL_S`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        check()
+        result = ready(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
+        if result is not None or time.monotonic() >= deadline:
+            return result
+
+
+def first_line(stdout: IO[str], timeout: float, check: Callable[[], None]) -> str | None:
+    """A child's first line on ``stdout`` ("" at its end), or None if none came within
+    ``timeout`` seconds; read by a thread, so that ``check`` is asked meanwhile."""
+    lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+    threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
+
+    def taken(wait: float) -> str | None:
+        try:
+            return lines.get(timeout=wait)
+        except queue.Empty:
+            return None
+
+    return poll_until(taken, timeout, check)
 
 
 def child_setup() -> Callable[[], None]:
