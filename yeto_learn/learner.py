@@ -1010,7 +1010,7 @@ class Learner:
         """Save the artifact unless the applied cut's is already on disk: nothing in it
         changes after the cut (no step is allowed after it, and a newer cut is saved as it is
         applied), so it is written again only when its write at the cut failed."""
-        if self._saved_step is None or self._saved_step != self.final_global_step:
+        if self._saved_step != self.final_global_step:
             self._save_artifact()
 
     def _keep_applied_final_state(self, exc: LearnerError) -> None:

@@ -533,9 +533,7 @@ class TcpTransport:
                 while not outbox.pending:
                     if self._shutting_down or not self.groups.has_group(group):
                         return  # shutting down: nothing new is sent after the last message
-                    outbox.changed = anyio.Event()
-                    with anyio.move_on_after(1.0):  # also notices a group that closed
-                        await outbox.changed.wait()
+                    await self._until_changed([], outbox)
                 queues = self._queues_of(group)
                 taken = outbox.take(all(queue.idle for queue in queues))
                 if taken is None:  # only BCASTs, held until the sockets are idle
