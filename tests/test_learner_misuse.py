@@ -38,7 +38,7 @@ from yeto_learn import learner as learner_module
 from yeto_learn.learner import RUN_ID_FILE
 from yeto_learn.session import Phase
 from yeto_learn.transport import GroupUp
-from yeto_proto import ErrorCode
+from yeto_proto import ErrorCode, PullReq
 
 
 def small_model() -> torch.nn.Module:
@@ -251,6 +251,25 @@ def test_finish_stop_when_stuck_returns_control_instead_of_waiting(
     with one_learner(tmp_path, 20, extra) as (syncer, model, learner):
         train_steps(learner, model, 20)
         assert not learner.final_ready
+        # Each pull is read on a turn of its own, after finish() looked for a stuck one and
+        # after its once-a-second warning check came due: the race that let "keep calling
+        # step()" out before FinishStuck.
+        read_items = learner._client_items
+        held: list[Any] = []
+
+        def pull_read_late(wait: float) -> list[Any]:
+            if held:
+                time.sleep(1.1)
+                items = held.copy()
+                held.clear()
+                return items
+            items = read_items(wait)
+            pulls = [isinstance(getattr(item, "message", None), PullReq) for item in items]
+            first_pull = pulls.index(True) if True in pulls else len(items)
+            held.extend(items[first_pull:])
+            return items[:first_pull]
+
+        learner._client_items = pull_read_late  # type: ignore[method-assign]
         started = time.monotonic()
         with (
             caplog.at_level(logging.WARNING, logger="yeto_learn"),

@@ -791,7 +791,7 @@ class Learner:
                         if finishing and self._final is not None:
                             plan.applies += self._final_applies(self._final)
                             plan.final_global_step = self._final.final_global_step
-                        elif finishing:
+                        elif finishing and not stop_when_stuck:  # the next turn raises instead
                             self._warn_of_starved_pulls()
                 except BaseException as exc:
                     error = exc
