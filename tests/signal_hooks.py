@@ -110,3 +110,19 @@ def processes_naming(path: Path) -> list[int]:
         if str(path).encode() in cmdline:
             found.append(int(entry.name))
     return found
+
+
+def processes_with_environment(entry: str) -> list[int]:
+    """Live processes whose environment holds ``entry`` (``NAME=value``; Linux /proc): the
+    descendants of a process started with it, even once reparented."""
+    found = []
+    for process in Path("/proc").iterdir():
+        if not process.name.isdigit():
+            continue
+        try:
+            environment = (process / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if entry.encode() in environment:
+            found.append(int(process.name))
+    return found

@@ -24,7 +24,7 @@ from scripted_learner import (
     SyncerError,
     play_in_thread,
 )
-from signal_hooks import ON_IMPORT, command
+from signal_hooks import AFTER_CALL, ON_IMPORT, command, processes_with_environment
 from test_checkpoint import make_checkpoint
 
 from yeto_proto import MergeMode, WireDtype, WireFragment, WireLayout
@@ -227,6 +227,27 @@ def test_a_signal_while_the_daemon_loads_is_its_last_line(
     assert done.stderr.splitlines() == [
         f"yeto-sync: {stop.name} while starting; no checkpoint written"
     ]
+
+
+def test_a_signal_while_the_iso_workers_start_leaves_none_behind(tmp_path: Path) -> None:
+    """SIGTERM while the torch-svd workers start (after the first wait for them): one line,
+    and no worker left running."""
+    run_mark = f"YETO_TEST_RUN={tmp_path}"
+    argv = command(
+        AFTER_CALL, ["yeto_sync.iso.pool.wait", str(int(signal.SIGTERM))], "yeto-sync",
+        "--learners=1", "--total-steps=4", "--host=127.0.0.1", "--port=0",
+        "--iso-backend=torch-svd",
+    )  # fmt: skip
+    environment = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "YETO_ISO_WORKERS": "2"}
+    name, value = run_mark.split("=", 1)
+    done = subprocess.run(
+        argv, cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**environment, name: value},
+    )  # fmt: skip
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == ["yeto-sync: SIGTERM while starting; no checkpoint written"]
+    wait_until(lambda: not processes_with_environment(run_mark), 10, "the workers to be gone")
 
 
 def test_the_entry_module_imports_nothing_heavy() -> None:

@@ -19,7 +19,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the daemon; its exit status."""
     early = None
     if threading.current_thread() is threading.main_thread():
-        early = StopSignals("yeto-sync").install()  # records a signal until the daemon's own
+        early = StopSignals("yeto-sync").install()  # records; the daemon makes it raise
     from .daemon import main as run_daemon
 
     return run_daemon(argv, early)

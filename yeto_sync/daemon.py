@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
 import signal
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -43,7 +42,7 @@ from .events import Exit
 from .help_format import HelpFormatter
 from .iso import IsoPoolSettings, IsoWorkerPool
 from .merge import MergeError
-from .stop_signals import StopSignals, stop_signals
+from .stop_signals import Stopped, StopSignals, ignore_stop_signals
 from .transport import MonotonicClock
 from .transport.group import HELLO_STEP_BYTES, ConnectionGroups
 from .transport.tcp import TcpTransport
@@ -347,28 +346,15 @@ def log_doubts(config: SyncerConfig, checkpoint: Checkpoint | None) -> None:
         log("warning", doubt, {})
 
 
-@functools.cache
-def _stop_signals() -> tuple[signal.Signals, ...]:
-    """Each stops the daemon the same way; decided once, before its own handlers go in."""
-    return stop_signals()
-
-
-class _Interrupted(BaseException):
-    """A stop signal outside the event loop's own signal handling."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise _Interrupted(signum)
-
-
-def _set_signal_handlers(handler: Callable[[int, object], None] | signal.Handlers) -> None:
-    if threading.current_thread() is threading.main_thread():
-        for signum in _stop_signals():
-            signal.signal(signum, handler)
+def _raising(early: StopSignals | None) -> StopSignals:
+    """The stop signals' handler from now on: until the event loop takes over (and after it
+    lets go) a signal raises :class:`Stopped` where the daemon is, which ends it in a clear
+    line. ``early`` (the entry point's, which only recorded) carries on, with what it got."""
+    signals = early if early is not None else StopSignals(PROG)
+    if early is None and threading.current_thread() is threading.main_thread():
+        signals.install()
+    signals.raising = True
+    return signals
 
 
 def _one_line_usage_error(message: str) -> NoReturn:
@@ -384,23 +370,21 @@ def main(argv: Sequence[str] | None = None, early: StopSignals | None = None) ->
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits on --help (0) and on usage errors (2)
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
-    # Until the event loop takes over (and after it lets go), a signal ends in a clear line.
-    _set_signal_handlers(_interrupt)
+    signals = _raising(early)
     try:
-        if early is not None and early.received is not None:  # while the modules loaded
-            raise _Interrupted(early.received)
-        return _start_and_serve(args)
-    except _Interrupted as interrupted:
-        name = signal.Signals(interrupted.signum).name
+        signals.check()  # one that arrived while the modules loaded
+        return _start_and_serve(args, signals)
+    except Stopped as stopped:
+        name = signal.Signals(stopped.signum).name
         if args.resume and args.checkpoint_path is not None:
             kept = f"the checkpoint to resume, {args.checkpoint_path}, is unchanged"
         else:
             kept = "no checkpoint written"
         print(f"{PROG}: {name} while starting; {kept}", file=sys.stderr)
-        return 128 + interrupted.signum
+        return 128 + stopped.signum
 
 
-def _start_and_serve(args: argparse.Namespace) -> int:
+def _start_and_serve(args: argparse.Namespace, signals: StopSignals) -> int:
     try:
         config = config_from_args(args)
         if config.print_profile_hash:
@@ -434,8 +418,9 @@ def _start_and_serve(args: argparse.Namespace) -> int:
                 config.checkpoint_path, checkpoint.global_step, CheckpointKind.RESUMED
             )
         )
+        signals.check()  # one whose Stopped something on the way swallowed
         exit_action, kept = anyio.run(
-            _serve, config, coordinator, hello_key, iso_pool, serving, resumed
+            _serve, config, coordinator, hello_key, signals, iso_pool, serving, resumed
         )
     except OSError as exc:
         print(
@@ -446,14 +431,14 @@ def _start_and_serve(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     except BaseException as raised:
         # Outside the event loop's own signal handling; a task group may have wrapped it.
-        interrupted = _sole_exception(raised)
-        if not isinstance(interrupted, _Interrupted):
+        stopped = _sole_exception(raised)
+        if not isinstance(stopped, Stopped):
             raise
         if not serving:
-            raise interrupted from None
-        name = signal.Signals(interrupted.signum).name
+            raise stopped from None
+        name = signal.Signals(stopped.signum).name
         _last_line(f"{PROG}: stopped by {name}; {_kept_state(serving[0])}")
-        return 128 + interrupted.signum
+        return 128 + stopped.signum
     finally:
         if iso_pool is not None:
             iso_pool.close()  # stops and, if need be, kills every worker: no orphans
@@ -513,6 +498,7 @@ async def _serve(
     config: SyncerConfig,
     coordinator: Coordinator,
     hello_key: bytes | None,
+    signals: StopSignals,
     iso_pool: IsoWorkerPool | None = None,
     serving: list[Driver] | None = None,
     resumed: DurableCheckpoint | None = None,
@@ -543,7 +529,7 @@ async def _serve(
             serving.append(driver)
         async with anyio.create_task_group() as tasks:
             # Installed before the ready line: a signal right after it stops the daemon cleanly.
-            await tasks.start(_stop_on_signal, driver, log)
+            await tasks.start(_stop_on_signal, driver, signals.signals, log)
             log(
                 "info",
                 "listening",
@@ -566,7 +552,11 @@ async def _serve(
 
 
 async def _stop_on_signal(
-    driver: Driver, log: KeyValueLog, *, task_status: anyio.abc.TaskStatus[None]
+    driver: Driver,
+    signals: tuple[signal.Signals, ...],
+    log: KeyValueLog,
+    *,
+    task_status: anyio.abc.TaskStatus[None],
 ) -> None:
     """The first stop signal stops the driver; later ones only say it is stopping.
 
@@ -574,7 +564,7 @@ async def _stop_on_signal(
     the default action while it finishes a checkpoint write or flushes its queues.
     """
     try:
-        with anyio.open_signal_receiver(*_stop_signals()) as received:
+        with anyio.open_signal_receiver(*signals) as received:
             task_status.started()
             stopping = False
             async for signum in received:
@@ -589,7 +579,7 @@ async def _stop_on_signal(
         # Closing the receiver put the default actions back. The run is over; only the last
         # line is left to print, and a late signal must not kill the process before or after
         # it (ignored signals stay ignored through the interpreter's shutdown).
-        _set_signal_handlers(signal.SIG_IGN)
+        ignore_stop_signals(signals)
 
 
 def _kept_state(driver: Driver) -> str:
