@@ -447,8 +447,8 @@ def test_a_peer_that_stops_reading_is_dropped_and_others_carry_on() -> None:
 def test_a_full_queue_waits_while_its_socket_takes_bytes(reader_stops_after: int | None) -> None:
     """A frame queued behind one that takes longer than the stall timeout to leave (a large
     BCAST over a slow link) waits for it; only a socket that takes nothing is stalled."""
-    stall = 0.2
-    frame_bytes = 2 << 20  # about 0.65 s each at the reader's pace: several stall timeouts
+    stall = 0.5  # a loaded host may not run the reader for a few tenths of a second
+    frame_bytes = 2 << 20  # about 1.3 s each at the reader's pace: several stall timeouts
     frames = 3  # the third waits for room until the whole first one has left
     queued: list[bool | None] = []
     read = [0]
@@ -473,7 +473,7 @@ def test_a_full_queue_waits_while_its_socket_takes_bytes(reader_stops_after: int
             async def read_slowly() -> None:
                 while reader_stops_after is None or read[0] < reader_stops_after:
                     await anyio.wait_readable(theirs)
-                    data = theirs.recv(32 << 10)
+                    data = theirs.recv(16 << 10)
                     if not data:
                         return
                     read[0] += len(data)
@@ -556,6 +556,26 @@ def test_the_final_cut_replaces_a_bcast_of_its_fragment_that_has_not_started() -
         BcastFragment(1, 3, memoryview(bytes(256))),
         final,
     ]
+
+
+def test_a_newer_bcast_takes_the_held_ones_turn() -> None:
+    # A newer version went to the back of the line: the head was always the fragment committed
+    # longest ago, the next to commit again, so on a link slower than the rounds the learner
+    # got versions a round out of date, and some fragments never (F = 8, a BCAST every two
+    # rounds: fragments 0, 2, 4 and 6 never left again).
+    def version(fragment: int, step: int) -> BcastFragment:
+        return BcastFragment(fragment, step, memoryview(bytes(256)))
+
+    outbox = _Outbox()
+    for fragment in range(3):
+        outbox.add(version(fragment, 1), None)
+    assert outbox.take(True) == (version(0, 1), None)
+    outbox.add(version(0, 4), None)  # fragment 0's next version waits behind 1 and 2
+    outbox.add(version(1, 5), None)  # and 1's newer one keeps 1's turn
+    outbox.add(version(2, 6), None)
+    taken = [outbox.take(True) for _ in range(3)]
+    assert taken == [(version(1, 5), None), (version(2, 6), None), (version(0, 4), None)]
+    assert outbox.take(True) is None
 
 
 def test_messages_behind_a_held_bcast_pass_it() -> None:

@@ -313,13 +313,22 @@ class _Outbox:
 
     def add(self, message: AnyMessage, progress: PayloadProgress | None) -> None:
         # A learner keeps only the newest version of a fragment: an older BCAST that is still
-        # waiting here (none of its bytes queued) is dropped rather than sent. The final cut
-        # overwrites the parameters whatever BCAST came before it (spec/learner.md § 7), but a
-        # learner starts only once it holds a BCAST of every fragment: the group's first one
-        # of a fragment is never dropped for it.
-        if isinstance(message, BcastFragment | FinalFragment) and (
-            isinstance(message, BcastFragment) or message.fragment_id in self.bcast_sent
-        ):
+        # waiting here (none of its bytes queued) is dropped rather than sent. A newer BCAST
+        # takes its place in the line: appended instead, the fragment committed longest ago
+        # (the next to commit again) would always lead, and on a link slower than the rounds
+        # some fragments would never leave. The final cut overwrites the parameters whatever
+        # BCAST came before it (spec/learner.md § 7), but a learner starts only once it holds
+        # a BCAST of every fragment: the group's first one of a fragment is never dropped for it.
+        self.changed.set()
+        if isinstance(message, BcastFragment):
+            for index, (waiting, _) in enumerate(self.pending):
+                if (
+                    isinstance(waiting, BcastFragment)
+                    and waiting.fragment_id == message.fragment_id
+                ):
+                    self.pending[index] = (message, progress)
+                    return
+        elif isinstance(message, FinalFragment) and message.fragment_id in self.bcast_sent:
             self.pending = deque(
                 item
                 for item in self.pending
@@ -329,7 +338,6 @@ class _Outbox:
                 )
             )
         self.pending.append((message, progress))
-        self.changed.set()
 
     def take(self, bcasts_may_go: bool) -> tuple[AnyMessage, PayloadProgress | None] | None:
         """The next message to cut into frames, oldest first; BCASTs only if they may go now
