@@ -494,6 +494,18 @@ class IdleSource:
         return None
 
 
+class OneEvent(IdleSource):
+    """Says ``event`` once, then nothing."""
+
+    def __init__(self, clock: FakeClock, event: Event) -> None:
+        super().__init__(clock)
+        self.event: Event | None = event
+
+    async def next_event(self, until: float | None) -> Event | None:
+        event, self.event = self.event, None
+        return event if event is not None else await super().next_event(until)
+
+
 def test_request_stop_ends_run_and_shuts_down() -> None:
     async def scenario() -> None:
         clock = FakeClock()
@@ -510,6 +522,37 @@ def test_request_stop_ends_run_and_shuts_down() -> None:
                 result = await driver.run(IdleSource(clock))
         assert result == Exit(143, "stopped by SIGTERM")
         assert transport.calls[-1][0] == "shutdown"
+
+    run(scenario)
+
+
+def test_a_stop_request_does_not_cut_short_the_flush_of_an_exit() -> None:
+    # A signal while a finished run's SHUTDOWNs were still leaving cancelled the flush, the
+    # frames were cut, and the daemon still exited 0: the learner never got its SHUTDOWN.
+    class SlowFlush(RecordingTransport):
+        flushed = False
+
+        async def shutdown(self, grace: float) -> None:
+            await anyio.sleep(0.3)
+            self.flushed = True
+
+    async def scenario() -> None:
+        clock = FakeClock()
+        transport = SlowFlush()
+        driver = Driver(
+            Scripted([Exit(0, "finalized")]), transport, clock, log=KeyValueLog(io.StringIO())
+        )
+        async with anyio.create_task_group() as tasks:
+
+            async def stop_during_the_flush() -> None:
+                await anyio.sleep(0.1)
+                driver.request_stop(143, "stopped by SIGTERM")
+
+            tasks.start_soon(stop_during_the_flush)
+            with anyio.fail_after(5):
+                result = await driver.run(OneEvent(clock, TimerFired("last ack")))
+        assert result == Exit(0, "finalized")
+        assert transport.flushed
 
     run(scenario)
 

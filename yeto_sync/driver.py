@@ -357,7 +357,10 @@ class Driver:
             case WriteFinalState(state=state):
                 await self._write_final_state(state)
             case Exit():
-                await self._finish(action)
+                # The run is decided: a stop signal now must not cut the flush short (the
+                # SHUTDOWNs of a finished run still leaving), which the grace already bounds.
+                with anyio.CancelScope(shield=True):
+                    await self._finish(action)
 
     # -- timers ----------------------------------------------------------------------------
     def next_timer_at(self) -> float | None:
