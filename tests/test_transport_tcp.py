@@ -11,6 +11,7 @@ import select
 import socket
 import struct
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -56,6 +57,7 @@ from yeto_sync.events import (
     MessageReceived,
     Send,
 )
+from yeto_sync.payload_progress import PayloadProgress
 from yeto_sync.transport import MonotonicClock
 from yeto_sync.transport.group import ConnectionGroups, LogFn, WireCommand
 from yeto_sync.transport.log_throttle import LogThrottle
@@ -578,6 +580,19 @@ def test_a_newer_bcast_takes_the_held_ones_turn() -> None:
     assert outbox.take(True) is None
 
 
+def test_a_held_bcast_whose_merge_failed_is_dropped_unsent() -> None:
+    # Taken later, its writer met the withdrawn payload and cut the group off as if half the
+    # message were on the wire, though none of it was.
+    outbox = _Outbox()
+    progress = PayloadProgress(256)
+    outbox.add(bcast(2), progress)
+    outbox.add(PullReq(0, 3, 1), None)
+    progress.withdraw()
+    assert outbox.take(True) == (PullReq(0, 3, 1), None)
+    assert outbox.take(True) is None
+    assert outbox.bcast_sent == set()
+
+
 def test_messages_behind_a_held_bcast_pass_it() -> None:
     # A BCAST held until the sockets are idle kept a PULL behind it waiting as long (~90 s on
     # a slow link, the learner's uplink idle meanwhile); a PULL may overtake a BCAST.
@@ -972,6 +987,37 @@ def test_the_hangup_watch_holds_an_epoll_only_while_the_transport_serves() -> No
     assert never_served == before
     assert serving == before + 1  # the watch's own, while it runs
     assert after == before  # and closed once it stops
+
+
+def test_a_written_frame_is_not_kept_while_its_writer_waits() -> None:
+    # The writer kept the last frame it wrote until the next came: the BCAST array under it
+    # could not go back to the coordinator's pool, which made and faulted in a fresh one.
+    async def scenario() -> tuple[bool, bool]:
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        listener = socket.create_server(("127.0.0.1", 0))
+        async with anyio.create_task_group() as tasks:
+            tcp = TcpTransport(ConnectionGroups(1), MonotonicClock(), listener, tasks)
+            peer = _Peer(1, ours, "test peer", SendQueue(1 << 20))
+            tasks.start_soon(tcp._write_loop, peer)
+            payload = np.ones(1 << 20, dtype=np.uint8)  # stands for a BCAST's array
+            payload_ref = weakref.ref(payload)
+            await peer.queue.put(Outgoing([memoryview(payload)]), payload.nbytes)
+            del payload
+            received = 0
+            while received < 1 << 20:
+                await anyio.wait_readable(theirs)
+                received += len(theirs.recv(1 << 20))
+            while not peer.queue.idle:
+                await anyio.sleep(0.01)
+            kept_while_waiting = payload_ref() is not None
+            peer.queue.close(discard=False)
+        listener.close()
+        ours.close()
+        theirs.close()
+        return kept_while_waiting, payload_ref() is not None
+
+    assert run_and_return(scenario()) == (False, False)
 
 
 def test_at_the_socket_limit_the_oldest_socket_without_a_group_makes_room() -> None:

@@ -342,7 +342,15 @@ class _Outbox:
     def take(self, bcasts_may_go: bool) -> tuple[AnyMessage, PayloadProgress | None] | None:
         """The next message to cut into frames, oldest first; BCASTs only if they may go now
         (else the others pass them: a PULL may overtake a BCAST, spec/learner.md § 5).
-        ``None`` when only held BCASTs are left."""
+        ``None`` when only held BCASTs are left. A streamed BCAST whose merge failed (its
+        payload withdrawn) before any of it was queued is dropped: nothing of it is on the
+        wire, so the group need not be cut off for it."""
+        if any(progress is not None and progress.withdrawn for _, progress in self.pending):
+            self.pending = deque(
+                (message, progress)
+                for message, progress in self.pending
+                if progress is None or not progress.withdrawn
+            )
         for index, (message, progress) in enumerate(self.pending):
             if isinstance(message, BcastFragment):
                 if not bcasts_may_go:
@@ -551,6 +559,9 @@ class TcpTransport:
                 outbox.busy = True
                 queued = await self._queue(group, message, progress)
                 outbox.busy = False
+                # Not kept while waiting for the next one: a BCAST's array goes back to the
+                # coordinator's pool only once nothing refers to it.
+                del taken, message, progress
                 if not queued:
                     return
         finally:
@@ -841,6 +852,7 @@ class TcpTransport:
                     await self._write_frame(peer.sock, frame, peer)
                 peer.frame_scope = None
                 peer.queue.written()
+                del frame  # nor the last frame while waiting for the next
                 if scope.cancelled_caught:
                     return False
         except PayloadWithdrawn:
