@@ -8,6 +8,7 @@ import errno
 import os
 import re
 import select
+import selectors
 import socket
 import struct
 import time
@@ -506,6 +507,39 @@ def test_a_full_queue_waits_while_its_socket_takes_bytes(reader_stops_after: int
     else:
         assert queued == [True, True, None]
         assert waited[0] < 10 * stall
+
+
+def test_a_pull_passes_a_bcast_larger_than_the_send_queues() -> None:
+    """A BCAST whose CHUNKs for one socket exceed the queue bound held the PULL behind it
+    until that socket had drained, though the PULL goes on socket 0 (with a fragment over
+    64 MiB per data stream, minutes on a slow link)."""
+    numel = 5_000_000  # 20 MB of f32: five CHUNKs on the one data socket, the bound is 1 MiB
+    layout = WireLayout((WireFragment(MergeMode.AVG, (numel,)),))
+    spec = SessionSpec(WireDtype.F32, layout, bytes(range(32)), bytes(range(32, 64)))
+    payload = np.ones(numel, dtype="<f4").view(np.uint8).data
+
+    def on_ready(key: GroupKey) -> list[Action]:
+        return [Send(key, BcastFragment(0, 1, payload)), Send(key, PullReq(0, 2, 1))]
+
+    def learner(address: tuple[str, int]) -> list[str]:
+        group = LearnerGroup(address, spec, learner_id=0, generation=1, num_streams=1)
+        group.connect()
+        try:
+            data_socket = group.sockets[1]
+            group._selector.unregister(data_socket)  # not read until the PULL came
+            got = [type(group.receive(5.0)).__name__]
+            group._selector.register(data_socket, selectors.EVENT_READ)
+            got.append(type(group.receive(10.0)).__name__)
+            group.send(Heartbeat(0, 1))
+            drain_until_closed(group)
+            return got
+        finally:
+            group.close()
+
+    coordinator = Stand_in(on_ready=on_ready, on_message=lambda event: [Exit(0, "done")])
+    exit_action, got = run_and_return(serve(coordinator, learner, send_queue_bytes=1 << 20))
+    assert exit_action == Exit(0, "done")
+    assert got == ["PullReq", "BcastFragment"]
 
 
 @pytest.mark.parametrize("num_streams", [0, 2])

@@ -22,9 +22,10 @@ Every wait is bounded:
   fragment) of a fragment replaces a BCAST not queued yet, and a BCAST stays, passed by the
   group's other messages, until the group's sockets wrote everything before it, so a slow link
   is not spent on versions out of date before they leave; the group's own task cuts messages into
-  frames for per-socket send queues of at most ``send_queue_bytes`` and waits for room
-  (backpressure) as long as the socket keeps taking bytes, dropping that group once it took
-  none for ``stall_timeout`` seconds;
+  frames for per-socket send queues of at most ``send_queue_bytes`` (a BCAST's frames, cut
+  only when the queues are idle, go in at once) and waits for room (backpressure) as long as
+  the socket keeps taking bytes, dropping that group once it took none for ``stall_timeout``
+  seconds;
 - at most ``MAX_EVENT_BACKLOG`` events wait for the driver: frames past it wait, decoded, in
   their socket, which reads nothing more (TCP pushes back on the peer) until they are handed on;
 - a closing socket sends its last frame (an ERROR, say), half-closes and lingers at most
@@ -173,15 +174,17 @@ class SendQueue:
             self.also_notify.set()
             self.also_notify = None
 
-    async def put(self, frame: Outgoing, size: int) -> bool:
+    async def put(self, frame: Outgoing, size: int, *, at_once: bool = False) -> bool:
         """Queue a frame once there is room; False if the queue was closed instead.
 
         A frame whose payload is still being written goes in at once, room or not: its
         producer waits for this call, and the writer ahead of it may be waiting for the
-        producer (the bound is exceeded by at most the message being streamed).
+        producer (the bound is exceeded by at most the message being streamed). So does one
+        ``at_once`` (a BCAST's, cut into frames only once its group's queues were idle).
         """
         while (
-            frame.progress is None
+            not at_once
+            and frame.progress is None
             and not self.closed
             and self._frames
             and self._bytes + size > self.max_bytes
@@ -596,7 +599,15 @@ class TcpTransport:
     async def _queue(
         self, group: GroupKey, message: AnyMessage, progress: PayloadProgress | None
     ) -> bool:
-        """Queue one message's frames; False once the group is gone."""
+        """Queue one message's frames; False once the group is gone.
+
+        A BCAST's frames go in at once, over the queues' bound: it is cut only when every
+        queue of its group is idle, so at most one fragment's bytes (views of the
+        coordinator's arrays, no copies) are over. Waiting for room there held the group's
+        PULLs behind it, though they go on another socket (a fragment over 64 MiB per data
+        stream, on a slow link: minutes).
+        """
+        at_once = isinstance(message, BcastFragment)
         transmits = self.groups.route(group, message, progress)
         if not transmits:
             return self.groups.has_group(group)
@@ -605,7 +616,7 @@ class TcpTransport:
             if peer is None:
                 continue
             frame = Outgoing(transmit.buffers, transmit.writable, transmit.progress)
-            queued = await self._put_while_draining(peer, frame, transmit.size)
+            queued = await self._put_while_draining(peer, frame, transmit.size, at_once=at_once)
             if queued is None:
                 self._drop_stalled(transmit.conn, "its send queue stayed full")
                 return False
@@ -613,7 +624,9 @@ class TcpTransport:
                 return False  # the group closed while we waited
         return True
 
-    async def _put_while_draining(self, peer: _Peer, frame: Outgoing, size: int) -> bool | None:
+    async def _put_while_draining(
+        self, peer: _Peer, frame: Outgoing, size: int, *, at_once: bool = False
+    ) -> bool | None:
         """Wait for room in ``peer``'s queue for as long as its socket keeps taking bytes;
         ``None`` once it took none for the stall timeout (else as :meth:`SendQueue.put`).
 
@@ -623,7 +636,7 @@ class TcpTransport:
         while True:
             written = peer.bytes_written
             with anyio.move_on_after(self.stall_timeout) as waited:
-                queued = await peer.queue.put(frame, size)
+                queued = await peer.queue.put(frame, size, at_once=at_once)
             if not waited.cancelled_caught:
                 return queued
             if peer.bytes_written == written:
