@@ -39,6 +39,7 @@ from yeto_proto import (
     PullReq,
     PushFragment,
     Role,
+    Shutdown,
     WireDtype,
     WireFragment,
     WireLayout,
@@ -625,6 +626,15 @@ def test_a_held_bcast_whose_merge_failed_is_dropped_unsent() -> None:
     assert outbox.take(True) == (PullReq(0, 3, 1), None)
     assert outbox.take(True) is None
     assert outbox.bcast_sent == set()
+
+
+def test_a_stopping_syncer_does_not_wait_for_held_bcasts() -> None:
+    # Its grace went on cutting out-of-date versions into frames, one after the other.
+    outbox = _Outbox()
+    outbox.add(bcast(2), None)
+    assert outbox.settled  # nothing but a held BCAST: dropped at a stop
+    outbox.add(Shutdown(), None)
+    assert not outbox.settled
 
 
 def test_messages_behind_a_held_bcast_pass_it() -> None:

@@ -311,8 +311,12 @@ class _Outbox:
 
     @property
     def settled(self) -> bool:
-        """Nothing left to queue."""
-        return self.done or not (self.pending or self.busy)
+        """Nothing left to queue but held BCASTs (which a stopping syncer drops: a learner
+        gets the current versions again from whichever syncer it reconnects to, and ignores
+        one after the final cut)."""
+        return self.done or not (
+            self.busy or any(not isinstance(message, BcastFragment) for message, _ in self.pending)
+        )
 
     def add(self, message: AnyMessage, progress: PayloadProgress | None) -> None:
         # A learner keeps only the newest version of a fragment: an older BCAST that is still
@@ -556,6 +560,8 @@ class TcpTransport:
                 queues = self._queues_of(group)
                 taken = outbox.take(all(queue.idle for queue in queues))
                 if taken is None:  # only BCASTs, held until the sockets are idle
+                    if self._shutting_down:
+                        return  # dropped (_Outbox.settled)
                     await self._until_changed(queues, outbox)
                     continue
                 message, progress = taken
