@@ -43,6 +43,8 @@ from yeto_proto import (
     DataHello,
     ErrorCode,
     ErrorMessage,
+    FinalFragment,
+    FinalManifest,
     FrameDecoder,
     Heartbeat,
     Hello,
@@ -446,6 +448,42 @@ def test_learner_pointed_at_a_silent_port_raises_within_connect_timeout() -> Non
     finally:
         silent.close()
     assert time.monotonic() - started < 4.0
+
+
+def test_a_learner_restarted_after_the_cut_starts_on_the_whole_cut(tmp_path: Path) -> None:
+    """Restarted after the final cut, a learner gets catch-up BCASTs and then the cut; striped
+    over data streams the cut can complete first. It waited for the BCASTs (ignored after a
+    cut) until connect_timeout, then said no session started."""
+    syncer = ScriptedSyncer()
+
+    def cut_then_catch_up() -> None:
+        group = syncer.accept_group(0)
+        numels = group.hello.layout.numels
+        for fragment, numel in enumerate(numels):
+            values = np.full(numel, 5.0, "<f4").view(np.uint8).data
+            group.control.send(FinalFragment(fragment, 3, values))
+        group.control.send(FinalManifest(3, (3,) * len(numels)))
+        for fragment, numel in enumerate(numels):
+            values = np.full(numel, 5.0, "<f4").view(np.uint8).data
+            group.control.send(BcastFragment(fragment, 3, values))
+        groups.append(group)
+
+    groups: list[ScriptedGroup] = []
+    serving = threading.Thread(target=cut_then_catch_up, daemon=True)
+    serving.start()
+    started = time.monotonic()
+    try:
+        learner = Learner(tiny_model(), syncer=f"127.0.0.1:{syncer.port}", learner_id=1,
+                          num_learners=2, fragments=2, streams=0, connect_timeout=10,
+                          run_id="r", out_dir=tmp_path / "learner-1")  # fmt: skip
+        assert learner.final_ready
+        assert time.monotonic() - started < 5.0
+        learner.close()
+    finally:
+        serving.join(5)
+        for group in groups:
+            group.close()
+        syncer.close()
 
 
 def test_learner_pointed_at_a_port_speaking_another_protocol_raises() -> None:

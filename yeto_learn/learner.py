@@ -485,8 +485,10 @@ class Learner:
         if self._client is not None:
             deadline = _QuietDeadline(self._client.counters, connect_timeout).deadline
         try:
+            # The final cut is whole on its own: restarted after it, a learner may have it
+            # complete before the last catch-up BCAST (streams reorder), which it then ignores.
             self._service_until(
-                lambda: all(self._adopted),
+                lambda: all(self._adopted) or self.final_ready,
                 deadline,
                 self._start_timeout_error,
             )
