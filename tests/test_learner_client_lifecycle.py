@@ -654,6 +654,26 @@ def test_a_finish_whose_shutdown_never_comes_keeps_the_applied_final_state(
     assert len(saves) == 1  # as the cut was applied; the failure only names the file
 
 
+def test_step_after_a_finish_that_timed_out_past_the_cut_is_refused_not_fatal(
+    syncer: ScriptedSyncer,
+) -> None:
+    # finish() applied and ACKed the cut, then timed out waiting for the SHUTDOWN; a step()
+    # then raised a LocalProtocolError (not a LearnerError) and closed the learner's client,
+    # though finish() says the learner stays usable to wait again.
+    learner, group = started_learner(syncer)
+    values = final_values(group.hello.layout.numels)
+    try:
+        with finishing_past_the_cut(learner, group, 1.0, values) as (thread, outcome):
+            thread.join(10)
+            assert isinstance(outcome[0], FinishTimeout), outcome
+            assert "final state applied" in str(outcome[0])
+            with pytest.raises(LearnerError, match="final state of global step 7 is applied"):
+                learner.step(tokens=1)
+            assert not learner._client_closed and learner._failed is None
+    finally:
+        learner.close()
+
+
 def counted_saves(
     monkeypatch: pytest.MonkeyPatch, before: Callable[[], object] = list
 ) -> list[Any]:

@@ -542,6 +542,12 @@ class Learner:
                 raise LearnerError(
                     f"the budget of {self.budget_steps} local steps is reached: call finish()"
                 )
+            if self.final_global_step is not None:  # refused before anything changes
+                raise LearnerError(
+                    f"the final state of global step {self.final_global_step} is applied: "
+                    "training is over; call finish() to wait for the syncer's SHUTDOWN, or "
+                    "close()"
+                )
             total = self._link.sum_tokens(_checked_tokens(tokens))
             self._turn(lambda session: session.record_step(total))
             self._local_step += 1
@@ -647,7 +653,7 @@ class Learner:
                     lambda: FinishTimeout(
                         f"the syncer at {self.syncer_address} did not complete finalization "
                         f"within {limit:g} s (final state "
-                        f"{'applied' if self.final_global_step else 'missing'})"
+                        f"{'missing' if self.final_global_step is None else 'applied'})"
                         + self._starved_pulls_note()
                     ),
                     finishing=True,
