@@ -35,6 +35,7 @@ from test_learner_client import (
 )
 
 from yeto_learn import FinishTimeout, Learner, LearnerError, SyncerSilent, SyncerUnreachable
+from yeto_learn import learner as learner_module
 from yeto_learn.artifact_files import LAYOUT_FILE, RUN_ID_FILE, STATE_FILE, SUMMARY_FILE
 from yeto_learn.transport import (
     ClientConfig,
@@ -53,6 +54,7 @@ from yeto_proto import (
     AnyMessage,
     BcastFragment,
     BudgetDone,
+    ErrorCode,
     FinalAck,
     FinalFragment,
     FinalManifest,
@@ -67,6 +69,7 @@ from yeto_proto import (
     WireLayout,
     encode_bytes,
 )
+from yeto_proto.errors import CheckpointError
 
 CLIENT_THREAD = "yeto-learner-client"
 
@@ -672,6 +675,17 @@ def test_step_after_a_finish_that_timed_out_past_the_cut_is_refused_not_fatal(
             assert not learner._client_closed and learner._failed is None
     finally:
         learner.close()
+
+
+def test_a_run_id_that_cannot_be_saved_fails_the_start(
+    syncer: ScriptedSyncer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full_disk(path: Path, text: str) -> None:
+        raise CheckpointError(ErrorCode.CKPT_IO, f"No space left on device (file {path})")
+
+    monkeypatch.setattr(learner_module, "_write_text_atomically", full_disk)
+    with pytest.raises(LearnerError, match="the run id was not saved: No space left"):
+        started_learner(syncer, out_dir=tmp_path / "learner-1")
 
 
 def counted_saves(

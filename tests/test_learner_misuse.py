@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -462,6 +463,56 @@ def test_rank_zero_failing_after_a_plan_fails_every_rank_in_that_step() -> None:
     # Rank 1 used to return normally and then wait in the next collective for a rank 0
     # that had already raised.
     assert other == "LeaderFailed: PUSH delta of fragment 0 is not finite [[0.0, 1.0, 2.0]]"
+
+
+SETUP_FAILS_ON_RANK_ZERO = textwrap.dedent(
+    """
+    import os, time, torch, torch.distributed as dist
+    from yeto_learn import Learner
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    started = time.monotonic()
+    try:  # only rank 0 reads the syncer address
+        Learner(torch.nn.Linear(3, 2), syncer="no port here", learner_id=0, num_learners=1,
+                fragments=1, run_id="r")
+    except BaseException as exc:
+        print(f"{type(exc).__name__} {time.monotonic() - started:.1f}: {exc}", flush=True)
+    if rank == 0:
+        time.sleep(6)  # a script that reports its error and cleans up before it exits
+    os._exit(0)
+    """
+)
+
+
+def test_a_rank_zero_setup_error_reaches_every_rank_at_once() -> None:
+    # Rank 0 raised before the first shared plan; rank 1 waited in it until rank 0's process
+    # left the group, then got gloo's "Connection closed by peer".
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SETUP_FAILS_ON_RANK_ZERO],
+            cwd=REPO,
+            env={
+                **child_env(),
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=60) for proc in procs]
+    (leader_kind, leader_s, leader_text), (other_kind, other_s, other_text) = (
+        re.fullmatch(r"(\w+) ([\d.]+): (.*)", out.strip().splitlines()[-1]).groups()  # type: ignore[union-attr]
+        for out, _ in outputs
+    )
+    assert (leader_kind, other_kind) == ("ValueError", "LearnerError"), outputs
+    assert leader_text in other_text, outputs
+    assert float(other_s) < 4.0, outputs  # not after rank 0's 6 s
 
 
 class HasModuleChild(torch.nn.Module):

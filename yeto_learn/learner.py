@@ -432,52 +432,57 @@ class Learner:
         self._local_step = 0
 
         if self.is_leader:
-            # Identity and the network are rank 0's; other ranks learn everything from plans.
-            self.run_id = resolve_run_id(
-                run_id, out_dir=self.out_dir, resume=resume, num_learners=num_learners
-            )
-            if self.out_dir is not None:
-                self.out_dir.mkdir(parents=True, exist_ok=True)
-            self.contract = session_contract(
-                self.layout, self.dtype, run_id=self.run_id, experiment=identity
-            )
-            self._contract_inputs = ", ".join(
-                f"{name}={value!r}"
-                for name, value in {"run_id": self.run_id, **identity}.items()
-                if value != {}
-            )
-            wire = self.layout.wire()
-            fingerprint = self.layout.fingerprint()
-            self._session = LearnerSession(
-                wire,
-                self.dtype,
-                learner_id,
-                layout_fingerprint=fingerprint,
-                session_contract=self.contract,
-                profile_hash=profile_hash,
-                budget_steps=budget_steps,
-            )
-            host, port = parse_address(syncer)
-            hello = Hello(
-                learner_id=learner_id,
-                generation=1,  # replaced by a fresh generation for every dial
-                dtype=self.dtype,
-                layout=wire,
-                layout_fingerprint=fingerprint,
-                session_contract=self.contract,
-                num_streams=streams,
-                profile_hash=profile_hash,
-            )
-            config = ClientConfig(
-                host,
-                port,
-                num_streams=streams,
-                connect_timeout=connect_timeout,
-                reconnect_timeout=reconnect_timeout,
-                hello_key=hello_key,
-            )
-            self._client = SyncerClient(config, hello, self._session.limits)
-            self._client.start()
+            try:
+                # Identity and the network are rank 0's; other ranks learn everything from plans.
+                self.run_id = resolve_run_id(
+                    run_id, out_dir=self.out_dir, resume=resume, num_learners=num_learners
+                )
+                if self.out_dir is not None:
+                    self.out_dir.mkdir(parents=True, exist_ok=True)
+                self.contract = session_contract(
+                    self.layout, self.dtype, run_id=self.run_id, experiment=identity
+                )
+                self._contract_inputs = ", ".join(
+                    f"{name}={value!r}"
+                    for name, value in {"run_id": self.run_id, **identity}.items()
+                    if value != {}
+                )
+                wire = self.layout.wire()
+                fingerprint = self.layout.fingerprint()
+                self._session = LearnerSession(
+                    wire,
+                    self.dtype,
+                    learner_id,
+                    layout_fingerprint=fingerprint,
+                    session_contract=self.contract,
+                    profile_hash=profile_hash,
+                    budget_steps=budget_steps,
+                )
+                host, port = parse_address(syncer)
+                hello = Hello(
+                    learner_id=learner_id,
+                    generation=1,  # replaced by a fresh generation for every dial
+                    dtype=self.dtype,
+                    layout=wire,
+                    layout_fingerprint=fingerprint,
+                    session_contract=self.contract,
+                    num_streams=streams,
+                    profile_hash=profile_hash,
+                )
+                config = ClientConfig(
+                    host,
+                    port,
+                    num_streams=streams,
+                    connect_timeout=connect_timeout,
+                    reconnect_timeout=reconnect_timeout,
+                    hello_key=hello_key,
+                )
+                self._client = SyncerClient(config, hello, self._session.limits)
+                self._client.start()
+            except BaseException as exc:
+                # The other ranks already wait in the first shared plan: they fail with it
+                # (rather than hang until this process leaves the group).
+                self._run(Plan(PlanStatus.FAILED, error=_failure_text(exc)), exc)
         # A large model over a slow link takes longer than connect_timeout to arrive (and
         # learner 0's INIT to go out): the wait gives up only when nothing moves for that long.
         # (Other torchrun ranks have no client: rank 0's verdict reaches them.)
@@ -485,27 +490,31 @@ class Learner:
         if self._client is not None:
             deadline = _QuietDeadline(self._client.counters, connect_timeout).deadline
         try:
-            # The final cut is whole on its own: restarted after it, a learner may have it
-            # complete before the last catch-up BCAST (streams reorder), which it then ignores.
-            self._service_until(
-                lambda: all(self._adopted) or self.final_ready,
-                deadline,
-                self._start_timeout_error,
-            )
+            self._service_until(self._started, deadline, self._start_timeout_error)
         except BaseException:
             self._close_client()
             raise
         self._last_pull_at = time.monotonic()  # the start counts as one
-        if self.is_leader and self.out_dir is not None:
-            # Only a started session makes this directory one that "ran" the id: a learner
-            # that never reached its syncer may be started again with the same command.
+
+    def _started(self) -> bool:
+        """Rank 0: whether the session started here, recording the run id once it did.
+
+        Only a started session makes ``out_dir`` one that "ran" the id: a learner that never
+        reached its syncer may be started again with the same command. Written inside the
+        shared wait, so a failed write fails every rank, not rank 0 alone.
+        """
+        # The final cut is whole on its own: restarted after it, a learner may have it
+        # complete before the last catch-up BCAST (streams reorder), which it then ignores.
+        if not (all(self._adopted) or self.final_ready):
+            return False
+        if self.out_dir is not None:
             try:
                 _write_text_atomically(self.out_dir / RUN_ID_FILE, self.run_id + "\n")
             except CheckpointError as exc:
-                self._close_client()
                 raise LearnerError(
                     f"the run id was not saved: {_write_failure(exc, self.out_dir)}"
                 ) from exc
+        return True
 
     def _start_timeout_error(self) -> LearnerError:
         assert self._client is not None
