@@ -243,6 +243,22 @@ def test_finish_before_final_ready_says_what_to_do(
         assert any("waiting in finish()" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize(
+    ("budget_steps", "advice"),
+    [(None, "until final_ready is True"), (40, "until learner.budget_reached is True")],
+)
+def test_the_advice_for_a_starved_pull_follows_what_ends_the_run(
+    budget_steps: int | None, advice: str
+) -> None:
+    # A learner with a step budget was told to train until final_ready, which in a closure
+    # comes only after every learner's budget.
+    learner = Learner.__new__(Learner)  # only the note's inputs
+    learner.budget_steps = budget_steps
+    learner._pulls_awaiting_a_step = lambda: [1]  # type: ignore[method-assign]
+    note = learner._starved_pulls_note()
+    assert note.startswith("; the syncer still pulls fragments [1]") and note.endswith(advice)
+
+
 def test_finish_stop_when_stuck_returns_control_instead_of_waiting(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

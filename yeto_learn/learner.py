@@ -655,6 +655,7 @@ class Learner:
             limit = self.finish_timeout if timeout is None else timeout
             started = time.monotonic()
             self._saving_s = 0.0
+            self._starved_warned = False  # once per call
             try:
                 self._service_until(
                     lambda: self._shutdown,
@@ -754,10 +755,19 @@ class Learner:
     def _starved_pulls_note(self) -> str:
         if not (starved := self._pulls_awaiting_a_step()):
             return ""
+        if self.budget_steps is not None:  # the cut comes only after every learner's budget
+            advice = (
+                f"finish() was called before the budget of {self.budget_steps} local steps was "
+                "reached, so keep calling step() until learner.budget_reached is True"
+            )
+        else:
+            advice = (
+                "finish() was called before learner.final_ready, so keep calling step() until "
+                "final_ready is True"
+            )
         return (
             f"; the syncer still pulls fragments {starved}, which this learner cannot answer "
-            "without training: finish() was called before learner.final_ready, so keep "
-            "calling step() until final_ready is True"
+            f"without training: {advice}"
         )
 
     def _warn_of_starved_pulls(self) -> None:
