@@ -788,6 +788,21 @@ def through_wire_syncer(session: LearnerSession, message: AnyMessage) -> AnyMess
     return decoded
 
 
+def test_a_frozen_learner_zero_does_not_initialize_again_on_a_redial() -> None:
+    # A frozen learner lets its anchors go at a disconnect (the restarted syncer's BCASTs are
+    # the base of its PUSHes); learner 0 then sent a whole model's INITs on every redial,
+    # ahead of its frozen PUSHes, though the syncer held every fragment.
+    t = connected(learner_id=0, budget=1)
+    for p in range(2):  # fragment 2 never arrived on this connection
+        t.receive(bcast(t.session, p, 3, globals_for(5)[p]))
+    t.step(tokens=10)
+    t.session.budget_done()
+    t.session.connection_lost()
+    t.session.hello(0, generation=77)
+    assert all(t.session.anchor(p) is None for p in range(3))
+    assert [m.fragment_id for m in t.session.init_messages(t.read)] == [2]
+
+
 def test_only_learner_zero_initializes_and_only_finite_values() -> None:
     t = connected(learner_id=2)
     with raises_code(ErrorCode.INIT_NOT_ALLOWED, LocalProtocolError):

@@ -132,6 +132,9 @@ class LearnerSession:
         self.limits = Limits.of(self.dtype, layout)
         self._fragments = [_Fragment(numel) for numel in layout.numels]
         self._anchors = MonotonicCache(len(layout), ErrorCode.BCAST_CONFLICT, "BCAST")
+        #: Fragments whose anchor a frozen learner let go at a disconnect: the syncer held
+        #: them, so learner 0 does not INIT them again (a whole model's upload per redial).
+        self._held_by_syncer: set[int] = set()
         self._final = Finalization(len(layout))
         self._phase = Phase.IDLE
         self._error: ProtocolError | None = None
@@ -278,10 +281,12 @@ class LearnerSession:
         self._final.connection_lost()
         self._budget_on_connection = False
         if self._budget_reported:
+            held = (p for p in range(len(self._anchors)) if self._anchors[p] is not None)
+            self._held_by_syncer.update(held)
             self._anchors.clear()
 
     def init_messages(self, read_local: ReadLocal) -> list[InitParams]:
-        """Learner 0's INIT_PARAMS for every fragment it holds no anchor of yet."""
+        """Learner 0's INIT_PARAMS for every fragment of which it never held an anchor."""
         self._alive()
         if self.learner_id != 0:
             raise LocalProtocolError(
@@ -290,7 +295,7 @@ class LearnerSession:
         self._require_connected()
         out = []
         for p, state in enumerate(self._fragments):
-            if self._anchors[p] is not None:
+            if self._anchors[p] is not None or p in self._held_by_syncer:
                 continue
             values = _checked_local(read_local(p), p, state.numel)
             _check_finite(values, f"INIT of fragment {p}")
