@@ -102,7 +102,6 @@ def _renumbered(fragments: Any, versions: tuple[int, ...]) -> tuple[Any, ...]:
     ("mutate", "hello", "reason"),
     [
         (lambda c: _with(c, contract=b"\x09" * 32), {}, "contract"),
-        (lambda c: _with(c, contract=None), {}, "contract"),
         (lambda c: c, {"layout_fingerprint": b"\x08" * 32}, "fingerprint"),
         # Two fragments at the versions step 4 gives two: consistent, but not this layout.
         (lambda c: _with(c, fragments=_renumbered(c.fragments[:2], (3, 4))), {}, "fragments"),
@@ -130,6 +129,8 @@ def test_ineligible_checkpoint_refuses_the_hello_and_keeps_serving(
         (lambda c: _with(c, iso_backend=IsoBackend.TORCH_SVD), "backend"),
         (lambda c: _with(c, format=CheckpointFormat.V1, iso_backend=None), "V1"),
         (lambda c: _with(c, global_step=5), "version"),
+        # Whatever the HELLO, check 7 refuses a V3 file without a contract: a hung syncer.
+        (lambda c: _with(c, contract=None), "no session contract"),
     ],
 )
 def test_a_checkpoint_no_hello_could_resume_is_refused_before_any(

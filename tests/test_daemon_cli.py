@@ -156,12 +156,16 @@ def test_refuses_to_start_beside_an_earlier_runs_final_marker(tmp_path: Path) ->
     assert "final marker" in line and not checkpoint.exists()
 
 
-@pytest.mark.parametrize("kind", ["backend", "V1"])
+@pytest.mark.parametrize("kind", ["backend", "V1", "V3 without a contract"])
 def test_a_checkpoint_no_hello_could_resume_is_refused_at_start(tmp_path: Path, kind: str) -> None:
     checkpoint = tmp_path / "ckpt"
     if kind == "V1":  # the conformance suite's V1 file: nothing writes V1 any more
         checkpoint.write_bytes((REPO / "conformance" / "checkpoints" / "v1_full.bin").read_bytes())
         words = "V1 checkpoints never resume"
+    elif kind == "V3 without a contract":  # served, refusing every learner
+        write_checkpoint(checkpoint, make_checkpoint())
+        os.truncate(checkpoint, checkpoint.stat().st_size - 36)  # a copy cut in its trailer
+        words = "no session contract"
     else:
         write_checkpoint(checkpoint, make_checkpoint(iso_backend=IsoBackend.TORCH_SVD))
         words = "iso backend torch-svd"

@@ -29,7 +29,7 @@ from typing import NoReturn
 import anyio
 import anyio.abc
 
-from yeto_proto.checkpoint import Checkpoint, read_checkpoint, refusal_before_hello
+from yeto_proto.checkpoint import Checkpoint, read_checkpoint, refusal_for_every_hello
 from yeto_proto.checkpoint.marker import marker_path
 from yeto_proto.constants import IsoBackend
 from yeto_proto.errors import ErrorCode, ProtocolError
@@ -322,7 +322,7 @@ def load_resume_checkpoint(config: SyncerConfig) -> Checkpoint | None:
     except ProtocolError as exc:
         raise BadInput(f"--resume: cannot read checkpoint {path}: {exc}") from None
     # What the first HELLO cannot change is refused now, with the reason it would give then.
-    refusal = refusal_before_hello(checkpoint, config.iso_backend)
+    refusal = refusal_for_every_hello(checkpoint, config.iso_backend)
     if refusal is not None:
         raise BadInput(f"--resume: {path}: {ErrorCode.CKPT_RESUME_INELIGIBLE.name}: {refusal}")
     return checkpoint

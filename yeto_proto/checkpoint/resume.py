@@ -85,6 +85,25 @@ def refusal_before_hello(checkpoint: Checkpoint, iso_backend: IsoBackend) -> Res
     return None
 
 
+def refusal_for_every_hello(
+    checkpoint: Checkpoint, iso_backend: IsoBackend
+) -> ResumeRefusal | None:
+    """Why no HELLO could ever resume ``checkpoint``, or None: checks 1 to 4, or check 7's
+    refusal of a V3 file without a session contract (every HELLO fails 5, 6 or 7 then).
+
+    A daemon refuses such a file at start, rather than serve and refuse every learner.
+    """
+    return refusal_before_hello(checkpoint, iso_backend) or _unproven_v3(checkpoint)
+
+
+def _unproven_v3(checkpoint: Checkpoint) -> ResumeRefusal | None:
+    if checkpoint.format is CheckpointFormat.V3 and checkpoint.contract is None:
+        return ResumeRefusal(
+            7, "the V3 checkpoint carries no session contract, so continuation is unproven"
+        )
+    return None
+
+
 def resume_decision(
     checkpoint: Checkpoint,
     *,
@@ -151,10 +170,7 @@ def refusal_for_session(
             )
 
     if checkpoint.contract is None:
-        if fmt is CheckpointFormat.V3:
-            return ResumeRefusal(
-                7, "the V3 checkpoint carries no session contract, so continuation is unproven"
-            )
+        return _unproven_v3(checkpoint)
     elif checkpoint.contract != session_contract:
         return ResumeRefusal(7, "session contract differs from the checkpoint's")
     return None

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from yeto_proto.checkpoint import Checkpoint, refusal_before_hello, refusal_for_session
+from yeto_proto.checkpoint import Checkpoint, refusal_for_every_hello, refusal_for_session
 from yeto_proto.constants import IsoBackend, WireDtype
 from yeto_proto.errors import ErrorCode, ProtocolError
 from yeto_proto.limits import Limits
@@ -161,7 +161,7 @@ class Coordinator:
             )
         if checkpoint is not None:
             # No HELLO could make it resumable: every HELLO would be refused, forever.
-            refusal = refusal_before_hello(checkpoint, iso_solver.backend)
+            refusal = refusal_for_every_hello(checkpoint, iso_solver.backend)
             if refusal is not None:
                 raise ValueError(f"the checkpoint cannot be resumed: {refusal}")
         self.config = config
@@ -316,7 +316,7 @@ class Coordinator:
         """First accepted HELLO: check resume eligibility, then fix the session."""
         checkpoint = self._checkpoint
         if checkpoint is not None:
-            # Checks 1 to 4 passed when the coordinator was built (refusal_before_hello).
+            # Checks 1 to 4 passed when the coordinator was built (refusal_for_every_hello).
             reason = refusal_for_session(
                 checkpoint,
                 fingerprint=bytes(hello.layout_fingerprint),
