@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -12,7 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,6 +37,8 @@ from yeto_proto.checkpoint import (
     write_final_marker,
 )
 from yeto_proto.constants import IsoBackend
+from yeto_sync import daemon as daemon_module
+from yeto_sync.events import Exit
 
 LAYOUT = WireLayout((WireFragment(MergeMode.AVG, (4096,)), WireFragment(MergeMode.AVG, (64,))))
 SPEC = SessionSpec(WireDtype.BF16, LAYOUT, bytes(range(32)), bytes(range(64, 96)))
@@ -176,6 +181,34 @@ def test_a_checkpoint_no_hello_could_resume_is_refused_at_start(tmp_path: Path, 
     (line,) = result.stderr.splitlines()
     assert line.startswith(f"yeto-sync: error: --resume: {checkpoint}: CKPT_RESUME_INELIGIBLE: ")
     assert words in line
+
+
+def test_a_resumed_daemon_keeps_no_second_copy_of_the_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The start-up code kept the resumed checkpoint referenced for the whole run: once every
+    # fragment had committed, the syncer still held the old params and momentum (8 bytes per
+    # parameter more than a fresh run).
+    checkpoint = tmp_path / "ckpt"
+    write_checkpoint(checkpoint, make_checkpoint())
+    seen: list[bool] = []
+
+    def serve_nothing(serve: object, config: object, coordinator: Any, *rest: object) -> object:
+        params = weakref.ref(coordinator._checkpoint.fragments[0].params)
+        coordinator._checkpoint = None  # as the session's install does
+        gc.collect()
+        seen.append(params() is not None)
+        return Exit(0, "served"), "kept"
+
+    monkeypatch.setattr(daemon_module.anyio, "run", serve_nothing)
+    argv = ["--learners=1", "--total-steps=9", "--port=0", f"--checkpoint-path={checkpoint}"]
+    done: list[int] = []
+    thread = threading.Thread(  # not the main thread: the daemon installs no signal handlers
+        target=lambda: done.append(daemon_module.main([*argv, "--resume"]))
+    )
+    thread.start()
+    thread.join(30)
+    assert done == [0] and seen == [False]
 
 
 def test_doubtful_settings_start_with_a_warning_each(tmp_path: Path) -> None:

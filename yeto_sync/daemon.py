@@ -418,6 +418,9 @@ def _start_and_serve(args: argparse.Namespace, signals: StopSignals) -> int:
                 config.checkpoint_path, checkpoint.global_step, CheckpointKind.RESUMED
             )
         )
+        # The coordinator holds the checkpoint's arrays until their fragments commit: kept
+        # here as well, they would be a second copy of the model's state for the whole run.
+        del checkpoint
         signals.check()  # one whose Stopped something on the way swallowed
         exit_action, kept = anyio.run(
             _serve, config, coordinator, hello_key, signals, iso_pool, serving, resumed
