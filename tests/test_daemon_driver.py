@@ -9,6 +9,7 @@ import json
 import math
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,15 @@ from yeto_proto.checkpoint import (
     write_final_marker,
 )
 from yeto_proto.checkpoint import writer as checkpoint_writer
-from yeto_sync.driver import EVENTS_PER_TURN, CheckpointKind, Driver, KeyValueLog, Outputs
+from yeto_sync import driver as driver_module
+from yeto_sync.driver import (
+    EVENTS_PER_TURN,
+    CheckpointKind,
+    Driver,
+    DurableCheckpoint,
+    KeyValueLog,
+    Outputs,
+)
 from yeto_sync.events import (
     Action,
     AppendTape,
@@ -555,6 +564,49 @@ def test_a_stop_request_does_not_cut_short_the_flush_of_an_exit() -> None:
         assert transport.flushed
 
     run(scenario)
+
+
+def test_a_stop_before_the_final_marker_leaves_the_checkpoint_described_as_unmarked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A signal during the final checkpoint's write: the write finished (not cancellable), the
+    # marker after it was never attempted, and the last line still said "final checkpoint".
+    path = tmp_path / "ckpt.bin"
+    write = checkpoint_writer.write_checkpoint
+
+    def slow_write(*args: Any, **kwargs: Any) -> None:
+        time.sleep(0.3)
+        write(*args, **kwargs)
+
+    monkeypatch.setattr(driver_module, "write_checkpoint", slow_write)
+    script = [WriteCheckpoint(checkpoint_at(12), final=True), WriteFinalMarker(12), Exit(0, "done")]
+
+    async def scenario() -> DurableCheckpoint | None:
+        clock = FakeClock()
+        outputs = Outputs(checkpoint_path=path, mark_final_checkpoint=True)
+        driver = Driver(Scripted(script), RecordingTransport(), clock, outputs=outputs,
+                        log=KeyValueLog(io.StringIO()))  # fmt: skip
+        async with anyio.create_task_group() as tasks:
+
+            async def stop_during_the_write() -> None:
+                await anyio.sleep(0.1)
+                driver.request_stop(143, "stopped by SIGTERM")
+
+            tasks.start_soon(stop_during_the_write)
+            with anyio.fail_after(5):
+                await driver.run(OneEvent(clock, TimerFired("last ack")))
+        return driver.last_checkpoint
+
+    box: list[DurableCheckpoint | None] = []
+
+    async def main() -> None:
+        box.append(await scenario())
+
+    run(main)
+    kept = box[0]
+    assert kept is not None and kept.global_step == 12
+    assert kept.kind is CheckpointKind.FINAL_UNMARKED
+    assert marker_state(path, 12).status.name != "FINAL"
 
 
 def test_run_feeds_due_timers_between_events() -> None:

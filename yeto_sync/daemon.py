@@ -515,6 +515,7 @@ async def _serve(
         checkpoint_path=config.checkpoint_path,
         final_state_path=config.final_state,
         event_tape_path=config.event_tape,
+        mark_final_checkpoint=config.mark_final_checkpoint,
     )
     async with TcpTransport.serve(groups, clock, config.host, config.port, log=log) as transport:
         host, port = transport.address

@@ -186,6 +186,9 @@ class Outputs:
     checkpoint_path: Path | None = None
     final_state_path: Path | None = None
     event_tape_path: Path | None = None
+    #: A final checkpoint gets a ``.final`` marker (``--mark-final-checkpoint``): until the
+    #: marker is written, the final checkpoint on disk is an unmarked one.
+    mark_final_checkpoint: bool = False
 
 
 class CheckpointKind(enum.Enum):
@@ -511,13 +514,14 @@ class Driver:
             )
         if written:
             self._marker_cleared = True
-            kind = (
-                CheckpointKind.RECOVERY
-                if recovery
-                else CheckpointKind.FINAL
-                if final
-                else CheckpointKind.PERIODIC
-            )
+            if recovery:
+                kind = CheckpointKind.RECOVERY
+            elif not final:
+                kind = CheckpointKind.PERIODIC
+            elif self.outputs.mark_final_checkpoint:  # a stop may come before its marker
+                kind = CheckpointKind.FINAL_UNMARKED
+            else:
+                kind = CheckpointKind.FINAL
             self.last_checkpoint = DurableCheckpoint(path, state.global_step, kind)
             self._log(
                 "info",
@@ -532,6 +536,10 @@ class Driver:
             return
         if await self._write_file("final marker", write_final_marker, path, global_step):
             self._log("info", "final marker written", {"global_step": global_step})
+            kept = self.last_checkpoint
+            if kept is not None and kept.kind is CheckpointKind.FINAL_UNMARKED:
+                if kept.global_step == global_step:
+                    self.last_checkpoint = dataclasses.replace(kept, kind=CheckpointKind.FINAL)
         elif self.last_checkpoint is not None and self.last_checkpoint.kind is CheckpointKind.FINAL:
             self.last_checkpoint = dataclasses.replace(
                 self.last_checkpoint, kind=CheckpointKind.FINAL_UNMARKED
