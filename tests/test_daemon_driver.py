@@ -674,6 +674,28 @@ def test_lines_any_peer_can_cause_are_written_once_per_period_and_kind() -> None
     run(scenario)
 
 
+def test_resume_refusals_of_different_checks_are_each_written() -> None:
+    # They share text and code: a learner failing check 7 right after one failing check 5
+    # left no line naming the second reason (spec/checkpoint.md § 4: the log names every one).
+    def refused(check: int) -> Log:
+        fields = {"code": "CKPT_RESUME_INELIGIBLE", "check": check}
+        return Log("warning", "HELLO refused: the checkpoint cannot resume", fields, throttled=True)
+
+    async def scenario() -> None:
+        stream = io.StringIO()
+        script = [refused(5), refused(5), refused(7)]
+        driver = Driver(
+            Scripted(script), RecordingTransport(), FakeClock(), log=KeyValueLog(stream)
+        )
+        await driver.dispatch(TimerFired("two learners"))
+        assert [line.split("check=")[1].split()[0] for line in stream.getvalue().splitlines()] == [
+            "5",
+            "7",
+        ]
+
+    run(scenario)
+
+
 class _ClosedPipe(io.StringIO):
     def write(self, text: str) -> int:
         raise BrokenPipeError(32, "Broken pipe")

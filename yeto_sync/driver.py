@@ -343,9 +343,9 @@ class Driver:
             case CancelTimer(key=key):
                 self._timers.pop(key, None)
             case Log(level=level, text=text, fields=fields, throttled=throttled):
-                # One line per kind and period; a refusal's code is part of its kind, so each
-                # different reason is still seen.
-                kind = f"{text} {fields.get('code', '')}"
+                # One line per kind and period; a refusal's code (and a resume refusal's
+                # check) is part of its kind, so each different reason is still seen.
+                kind = f"{text} {fields.get('code', '')} {fields.get('check', '')}"
                 written = (
                     self._throttle.fields(kind, self.clock.now(), fields) if throttled else fields
                 )

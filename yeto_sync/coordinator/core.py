@@ -339,6 +339,7 @@ class Coordinator:
                             "conn": conn,
                             **_member_fields(GroupKey(hello.learner_id, hello.generation)),
                             **_why(refusal),
+                            "check": reason.check,
                         },
                         throttled=True,
                     )
