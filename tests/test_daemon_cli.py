@@ -227,6 +227,32 @@ def test_doubtful_settings_start_with_a_warning_each(tmp_path: Path) -> None:
     assert "the run of this checkpoint had finished" in warnings[2]
 
 
+def test_a_marker_of_another_step_is_not_taken_for_a_finished_run(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    write_checkpoint(checkpoint, make_checkpoint(global_step=5))
+    write_final_marker(checkpoint, 3)  # an older run's, beside a later periodic checkpoint
+    flags = ["--learners=1", "--total-steps=9", f"--checkpoint-path={checkpoint}", "--resume"]
+    with Daemon(*flags) as daemon:
+        wait_until(lambda: "listening" in daemon.stderr, 10, "the listening log line")
+        warnings = [line for line in daemon.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1, warnings
+    assert "does not mark this checkpoint as final" in warnings[0]
+    assert "had finished" not in warnings[0]
+
+
+def test_a_marker_that_is_a_directory_is_refused_at_start(tmp_path: Path) -> None:
+    # Found only at the first checkpoint write, which ended the run (CKPT_IO), maybe hours in.
+    checkpoint = tmp_path / "ckpt"
+    write_checkpoint(checkpoint, make_checkpoint(global_step=5))
+    (tmp_path / "ckpt.final").mkdir()
+    result = yeto_sync(
+        "--learners=1", "--total-steps=9", f"--checkpoint-path={checkpoint}", "--resume"
+    )
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert "ckpt.final is a directory" in line
+
+
 @pytest.mark.parametrize("signals", [1, 2])
 def test_a_signal_right_after_the_ready_line_stops_cleanly(signals: int) -> None:
     """The handlers are in place before the ready line; a second signal only says so."""

@@ -30,7 +30,7 @@ import anyio
 import anyio.abc
 
 from yeto_proto.checkpoint import Checkpoint, read_checkpoint, refusal_for_every_hello
-from yeto_proto.checkpoint.marker import marker_path
+from yeto_proto.checkpoint.marker import MarkerStatus, marker_path, marker_state
 from yeto_proto.constants import IsoBackend
 from yeto_proto.errors import ErrorCode, ProtocolError
 from yeto_proto.identity import DeltaCorrection, LearnerWeight, hello_key_of_file
@@ -317,6 +317,10 @@ def load_resume_checkpoint(config: SyncerConfig) -> Checkpoint | None:
         return None
     if not path.exists():
         raise BadInput(f"--resume: no checkpoint at {path}")
+    marker = marker_path(path)
+    if marker.is_dir() and not marker.is_symlink():
+        # Found at the first checkpoint write otherwise, which cannot remove it: the run ends.
+        raise BadInput(f"--resume: {marker} is a directory where a final marker goes; move it")
     try:
         checkpoint = read_checkpoint(path)
     except ProtocolError as exc:
@@ -338,9 +342,17 @@ def log_doubts(config: SyncerConfig, checkpoint: Checkpoint | None) -> None:
                 f"--total-steps {config.total_steps}: no round runs, the final cut is taken as "
                 "soon as the session starts"
             )
-        marker = marker_path(config.checkpoint_path)
-        if marker.exists():
-            doubts.append(f"{marker} exists: the run of this checkpoint had finished")
+        marker = marker_state(config.checkpoint_path, checkpoint.global_step)
+        if marker.status is MarkerStatus.FINAL:
+            doubts.append(
+                f"{marker_path(config.checkpoint_path)} exists: the run of this checkpoint "
+                "had finished"
+            )
+        elif marker.status is not MarkerStatus.ABSENT:  # goes at the first checkpoint write
+            doubts.append(
+                f"{marker_path(config.checkpoint_path)} does not mark this checkpoint as final "
+                f"({marker.detail}); it is removed when this run first writes its checkpoint"
+            )
     log = KeyValueLog(sys.stderr)
     for doubt in doubts:
         log("warning", doubt, {})
