@@ -32,6 +32,7 @@ from yeto_proto.checkpoint import (
     load_layout,
     marker_path,
     marker_state,
+    orphaned_temporaries,
     read_checkpoint,
     resume_decision,
     scheduled_version,
@@ -670,3 +671,17 @@ def test_layout_file_round_trips(tmp_path: Path) -> None:
     path.write_text(named_layout().to_json())
     assert load_layout(path).fingerprint() == named_layout().fingerprint()
     assert os.path.getsize(path) > 0
+
+
+def test_orphaned_temporaries_are_those_of_writers_that_are_gone(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead_pid = int(gone.stdout)
+    orphan = tmp_path / f".ckpt.{dead_pid}.0123456789ab.tmp"
+    live = tmp_path / f".ckpt.{os.getpid()}.0123456789ab.tmp"  # another writer, still writing
+    unrelated = [tmp_path / f".other.{dead_pid}.0123456789ab.tmp", tmp_path / ".ckpt.x.tmp"]
+    for path in (orphan, live, *unrelated):
+        path.write_bytes(b"partial")
+    assert orphaned_temporaries(target) == [orphan]
+    assert orphaned_temporaries(tmp_path / "missing-dir" / "ckpt") == []

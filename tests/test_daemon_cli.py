@@ -240,6 +240,22 @@ def test_a_marker_of_another_step_is_not_taken_for_a_finished_run(tmp_path: Path
     assert "had finished" not in warnings[0]
 
 
+def test_temporary_files_of_a_crashed_write_are_removed_at_start(tmp_path: Path) -> None:
+    # A kill -9 mid-write leaves one as large as the checkpoint; a restart loop filled the disk.
+    checkpoint = tmp_path / "ckpt"
+    write_checkpoint(checkpoint, make_checkpoint(global_step=5))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    orphan = tmp_path / f".ckpt.{int(gone.stdout)}.0123456789ab.tmp"
+    orphan.write_bytes(bytes(1000))
+    flags = ["--learners=1", "--total-steps=9", f"--checkpoint-path={checkpoint}", "--resume"]
+    with Daemon(*flags) as daemon:
+        wait_until(lambda: "listening" in daemon.stderr, 10, "the listening log line")
+        removed = [line for line in daemon.stderr.splitlines() if "crashed write" in line]
+    assert not orphan.exists()
+    assert len(removed) == 1 and "bytes=1000" in removed[0], removed
+
+
 def test_a_marker_that_is_a_directory_is_refused_at_start(tmp_path: Path) -> None:
     # Found only at the first checkpoint write, which ended the run (CKPT_IO), maybe hours in.
     checkpoint = tmp_path / "ckpt"

@@ -29,7 +29,12 @@ from typing import NoReturn
 import anyio
 import anyio.abc
 
-from yeto_proto.checkpoint import Checkpoint, read_checkpoint, refusal_for_every_hello
+from yeto_proto.checkpoint import (
+    Checkpoint,
+    orphaned_temporaries,
+    read_checkpoint,
+    refusal_for_every_hello,
+)
 from yeto_proto.checkpoint.marker import MarkerStatus, marker_path, marker_state
 from yeto_proto.constants import IsoBackend
 from yeto_proto.errors import ErrorCode, ProtocolError
@@ -297,6 +302,25 @@ def check_output_paths(config: SyncerConfig) -> None:
             raise BadInput(f"{flag} {path}: directory {directory} is not writable")
 
 
+def remove_orphaned_temporaries(config: SyncerConfig) -> None:
+    """Remove what a crashed writer left beside the outputs (each as large as its file), and
+    say so: restarted again and again after crashes, the syncer would fill its disk."""
+    log = KeyValueLog(sys.stderr)
+    for target in (config.checkpoint_path, config.final_state):
+        if target is None:
+            continue
+        for orphan in orphaned_temporaries(target):
+            try:
+                size = orphan.stat().st_size
+                orphan.unlink()
+            except OSError as exc:
+                log("warning", "temporary file of a crashed write not removed",
+                    {"path": str(orphan), "error": exc.strerror or str(exc)})  # fmt: skip
+            else:
+                log("info", "temporary file of a crashed write removed",
+                    {"path": str(orphan), "bytes": size})  # fmt: skip
+
+
 def load_resume_checkpoint(config: SyncerConfig) -> Checkpoint | None:
     """Refuse to overwrite a checkpoint without ``--resume``; with it, read the checkpoint."""
     path = config.checkpoint_path
@@ -404,6 +428,7 @@ def _start_and_serve(args: argparse.Namespace, signals: StopSignals) -> int:
             return 0
         hello_key = load_hello_key(config)
         check_output_paths(config)
+        remove_orphaned_temporaries(config)
         checkpoint = load_resume_checkpoint(config)
         log_doubts(config, checkpoint)
         iso_pool = start_iso_pool(config)

@@ -6,7 +6,7 @@ The bytes are declared in :mod:`.schema` and described in ``spec/checkpoint.md``
 
 from __future__ import annotations
 
-from .atomic import atomic_replace, io_error, write_bytes_atomically
+from .atomic import atomic_replace, io_error, orphaned_temporaries, write_bytes_atomically
 from .export import ExportedTensors, LegacyIdentity, export_tensors, load_layout, verify_identity
 from .marker import (
     MarkerState,
@@ -67,6 +67,7 @@ __all__ = [
     "load_layout",
     "marker_path",
     "marker_state",
+    "orphaned_temporaries",
     "parse_final_marker",
     "remove_final_marker",
     "read_checkpoint",

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import io
 import os
+import re
 import secrets
 import stat
 from collections.abc import Callable, Iterator
@@ -25,6 +26,33 @@ from ..errors import CheckpointError, ErrorCode
 def temporary_sibling(target: Path) -> Path:
     """A fresh hidden name beside ``target`` (same directory, so same file system)."""
     return target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+
+
+def orphaned_temporaries(target: Path) -> list[Path]:
+    """The :func:`temporary_sibling` files of ``target`` whose writing process is gone.
+
+    A hard crash (``kill -9``, power loss) mid-write leaves one behind, as large as the file;
+    a restart loop would gather them until the disk is full. A file whose process id is
+    alive is kept, whoever holds that id now: it may be another writer of the same target.
+    """
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(\d+)\.[0-9a-f]{{12}}\.tmp")
+    found = []
+    with contextlib.suppress(OSError):
+        for sibling in target.parent.iterdir():
+            match = pattern.fullmatch(sibling.name)
+            if match is not None and not _process_alive(int(match.group(1))):
+                found.append(sibling)
+    return sorted(found)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, someone else's
+        return True
+    return True
 
 
 def fsync_path(path: Path) -> None:
