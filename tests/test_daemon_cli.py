@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import io
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 from daemon_harness import REPO, Daemon, error_code, wait_until
@@ -38,7 +40,9 @@ from yeto_proto.checkpoint import (
 )
 from yeto_proto.constants import IsoBackend
 from yeto_sync import daemon as daemon_module
+from yeto_sync.driver import KeyValueLog
 from yeto_sync.events import Exit
+from yeto_sync.stop_signals import StopSignals
 
 LAYOUT = WireLayout((WireFragment(MergeMode.AVG, (4096,)), WireFragment(MergeMode.AVG, (64,))))
 SPEC = SessionSpec(WireDtype.BF16, LAYOUT, bytes(range(32)), bytes(range(64, 96)))
@@ -225,6 +229,32 @@ def test_doubtful_settings_start_with_a_warning_each(tmp_path: Path) -> None:
     assert "--outer-momentum 1.5 is outside [0, 1)" in warnings[0]
     assert "at global_step 5, at or past --total-steps 4" in warnings[1]
     assert "the run of this checkpoint had finished" in warnings[2]
+
+
+def test_a_stop_swallowed_before_the_signal_receiver_opened_is_still_met() -> None:
+    # Raised in an event-loop callback, a Stopped is only logged there ("Exception in
+    # callback"); the daemon then served on, and a second signal only said "still stopping".
+    class Recorder:
+        shutdown_grace = 5.0
+        stops: list[tuple[int, str]] = []
+
+        def request_stop(self, code: int, reason: str) -> None:
+            self.stops.append((code, reason))
+
+    signals = StopSignals("yeto-sync")  # not installed: its first signal already came
+    signals.received, signals.stopping = signal.SIGTERM, True
+    driver = Recorder()
+
+    async def scenario() -> None:
+        async with anyio.create_task_group() as tasks:
+            await tasks.start(
+                daemon_module._stop_on_signal, driver, signals, KeyValueLog(io.StringIO())
+            )
+            await anyio.wait_all_tasks_blocked()
+            tasks.cancel_scope.cancel()
+
+    anyio.run(scenario)
+    assert driver.stops == [(128 + signal.SIGTERM, "stopped by SIGTERM")]
 
 
 def test_a_marker_of_another_step_is_not_taken_for_a_finished_run(tmp_path: Path) -> None:

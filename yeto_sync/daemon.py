@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -570,7 +570,7 @@ async def _serve(
             serving.append(driver)
         async with anyio.create_task_group() as tasks:
             # Installed before the ready line: a signal right after it stops the daemon cleanly.
-            await tasks.start(_stop_on_signal, driver, signals.signals, log)
+            await tasks.start(_stop_on_signal, driver, signals, log)
             log(
                 "info",
                 "listening",
@@ -594,7 +594,7 @@ async def _serve(
 
 async def _stop_on_signal(
     driver: Driver,
-    signals: tuple[signal.Signals, ...],
+    signals: StopSignals,
     log: KeyValueLog,
     *,
     task_status: anyio.abc.TaskStatus[None],
@@ -605,10 +605,13 @@ async def _stop_on_signal(
     the default action while it finishes a checkpoint write or flushes its queues.
     """
     try:
-        with anyio.open_signal_receiver(*signals) as received:
+        with anyio.open_signal_receiver(*signals.signals) as received:
             task_status.started()
+            # One that came before the receiver, whose Stopped the event loop swallowed (raised
+            # in a callback, it is only logged there): acted on now, not lost.
+            earlier = [] if signals.received is None else [signals.received]
             stopping = False
-            async for signum in received:
+            async for signum in _chained(earlier, received):
                 name = signal.Signals(signum).name
                 if stopping:
                     log("warning", "already stopping", {"signal": name})
@@ -620,7 +623,14 @@ async def _stop_on_signal(
         # Closing the receiver put the default actions back. The run is over; only the last
         # line is left to print, and a late signal must not kill the process before or after
         # it (ignored signals stay ignored through the interpreter's shutdown).
-        ignore_stop_signals(signals)
+        ignore_stop_signals(signals.signals)
+
+
+async def _chained(first: list[int], then: AsyncIterator[int]) -> AsyncIterator[int]:
+    for item in first:
+        yield item
+    async for item in then:
+        yield item
 
 
 def _kept_state(driver: Driver) -> str:

@@ -97,7 +97,8 @@ class Send:
 
     ``progress``, when given, says how much of the message's payload (the tail of its frame)
     is final yet: the transport sends no byte beyond it, waits for more, and cuts the
-    connection if the payload is withdrawn (a streamed BCAST whose merge failed).
+    connection if the payload is withdrawn (a streamed BCAST whose merge failed) after some
+    of it went out; one withdrawn before is dropped unsent.
     """
 
     group: GroupKey

@@ -42,7 +42,8 @@ class Transport(Protocol):
         """Queue ``message`` to ``group``; waits (bounded) while the group's queues are full.
 
         With ``progress`` (see :class:`~yeto_sync.events.Send`) no byte goes out before it is
-        final, and a withdrawn payload cuts the group's connections.
+        final, and a withdrawn payload cuts the group's connections once some of it was sent
+        (one still waiting to be sent is dropped).
         """
         ...
 
