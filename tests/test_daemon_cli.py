@@ -278,8 +278,11 @@ def test_temporary_files_of_a_crashed_write_are_removed_at_start(tmp_path: Path)
                           capture_output=True, text=True, check=True)  # fmt: skip
     orphan = tmp_path / f".ckpt.{int(gone.stdout)}.0123456789ab.tmp"
     orphan.write_bytes(bytes(1000))
-    flags = ["--learners=1", "--total-steps=9", f"--checkpoint-path={checkpoint}", "--resume"]
-    with Daemon(*flags) as daemon:
+    flags = ["--learners=1", "--total-steps=9", f"--checkpoint-path={checkpoint}"]
+    refused = yeto_sync(*flags)  # no --resume: refused, and a refusal changes nothing
+    assert refused.returncode == 2 and len(refused.stderr.splitlines()) == 1, refused.stderr
+    assert orphan.exists()
+    with Daemon(*flags, "--resume") as daemon:
         wait_until(lambda: "listening" in daemon.stderr, 10, "the listening log line")
         removed = [line for line in daemon.stderr.splitlines() if "crashed write" in line]
     assert not orphan.exists()

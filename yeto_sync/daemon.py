@@ -428,7 +428,6 @@ def _start_and_serve(args: argparse.Namespace, signals: StopSignals) -> int:
             return 0
         hello_key = load_hello_key(config)
         check_output_paths(config)
-        remove_orphaned_temporaries(config)
         checkpoint = load_resume_checkpoint(config)
         log_doubts(config, checkpoint)
         iso_pool = start_iso_pool(config)
@@ -458,6 +457,7 @@ def _start_and_serve(args: argparse.Namespace, signals: StopSignals) -> int:
         # The coordinator holds the checkpoint's arrays until their fragments commit: kept
         # here as well, they would be a second copy of the model's state for the whole run.
         del checkpoint
+        remove_orphaned_temporaries(config)  # only once it serves: a refusal changes nothing
         signals.check()  # one whose Stopped something on the way swallowed
         exit_action, kept = anyio.run(
             _serve, config, coordinator, hello_key, signals, iso_pool, serving, resumed
