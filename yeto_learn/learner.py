@@ -16,10 +16,11 @@ session contract, starts the network client in a background thread, and returns 
 fragment holds the syncer's global state (its initial one, or the current one for a learner
 that joins later; the session itself may still wait for other learners to join, and training
 meanwhile is local), or once the whole final cut is in (a learner restarted after it:
-``final_ready`` is then True, and ``finish()`` applies it). It raises once nothing has moved to or from the syncer for
-``connect_timeout`` seconds, so a large model on a slow link may take longer. ``step`` never
-waits on the network: the client thread and this one meet in thread-safe queues, and the
-protocol rules live in :class:`~yeto_learn.session.LearnerSession`, which this class drives.
+``final_ready`` is then True, and ``finish()`` applies it). It raises once nothing has moved
+to or from the syncer for ``connect_timeout`` seconds, so a large model on a slow link may
+take longer. ``step`` never waits on the network: the client thread and this one meet in
+thread-safe queues, and the protocol rules live in
+:class:`~yeto_learn.session.LearnerSession`, which this class drives.
 
 With ``out_dir``, the learner's artifact (``layout.json``, ``summary.json``, ``model.pt``) is
 written inside ``finish()`` as soon as the final state is applied and its FINAL_ACK queued, not

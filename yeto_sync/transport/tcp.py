@@ -559,9 +559,7 @@ class TcpTransport:
                     await self._until_changed([], outbox)
                 queues = self._queues_of(group)
                 # Stopping, held BCASTs are dropped (_Outbox.settled), not sent meanwhile.
-                taken = outbox.take(
-                    not self._shutting_down and all(queue.idle for queue in queues)
-                )
+                taken = outbox.take(not self._shutting_down and all(queue.idle for queue in queues))
                 if taken is None:  # only BCASTs, held until the sockets are idle
                     if self._shutting_down:
                         return  # dropped (_Outbox.settled)
