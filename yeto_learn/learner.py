@@ -91,7 +91,6 @@ from .session import (
 from .transport import (
     ClientConfig,
     ClientFailed,
-    Counters,
     FinishStuck,
     FinishTimeout,
     GroupLost,
@@ -107,6 +106,7 @@ from .transport import (
     Undelivered,
     parse_address,
 )
+from .transport.quiet import QuietDeadline
 
 _log = logging.getLogger("yeto_learn")
 
@@ -128,10 +128,6 @@ NO_ROUND_WARNING_S = 120.0
 _NO_ROUND_GAP_FACTOR = 3.0
 _NO_ROUND_AFTER_ONE_PULL_S = 600.0
 _NO_ROUND_REPEAT_S = 600.0
-
-
-#: Bytes sent that count as progress while the constructor waits (learner 0's INIT upload).
-_SENT_PROGRESS_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -490,7 +486,7 @@ class Learner:
         # (Other torchrun ranks have no client: rank 0's verdict reaches them.)
         deadline: float | Callable[[], float] = time.monotonic() + connect_timeout
         if self._client is not None:
-            deadline = _QuietDeadline(self._client.counters, connect_timeout).deadline
+            deadline = QuietDeadline(self._client.counters, connect_timeout).deadline
         try:
             self._service_until(self._started, deadline, self._start_timeout_error)
         except BaseException:
@@ -1101,24 +1097,6 @@ class Learner:
                 f"not saved: {_write_failure(exc, self.out_dir)}"
             ) from exc
         self._saved_step = self.final_global_step
-
-
-class _QuietDeadline:
-    """A deadline ``quiet_s`` after the client last made progress: a byte received, or another
-    :data:`_SENT_PROGRESS_BYTES` sent (a redialing client resends its HELLOs, which are not)."""
-
-    def __init__(self, counters: Counters, quiet_s: float) -> None:
-        self._counters = counters
-        self._quiet_s = quiet_s
-        # Written by the client thread; an int read is atomic, a stale one only delays.
-        self._received, self._sent = counters.bytes_received, counters.bytes_sent
-        self._since = time.monotonic()
-
-    def deadline(self) -> float:
-        received, sent = self._counters.bytes_received, self._counters.bytes_sent
-        if received != self._received or sent - self._sent >= _SENT_PROGRESS_BYTES:
-            self._received, self._sent, self._since = received, sent, time.monotonic()
-        return self._since + self._quiet_s
 
 
 def _failure_text(exc: BaseException) -> str:

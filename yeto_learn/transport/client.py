@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import socket
 import threading
@@ -56,6 +57,7 @@ from ..session.reconnect import backoff_delay, fresh_generation
 from .errors import LearnerError, SyncerProtocolViolation, SyncerUnreachable
 from .events import ClientFailed, GroupLost, GroupUp, InboxItem, Received, Undelivered
 from .group import RECV_BUFFER_SIZE, ConnectionGroup, Counters, open_sockets
+from .quiet import QuietDeadline
 
 #: HEARTBEAT interval (spec/learner.md §9: not part of the wire contract).
 HEARTBEAT_INTERVAL_S = 1.0
@@ -318,22 +320,30 @@ class SyncerClient:
     async def _connection_loop(self) -> None:
         assert self._stop is not None
         cfg = self.config
-        give_up_at = time.monotonic() + cfg.connect_timeout
+        # Until a group served, connect_timeout counts from the last progress (a first group
+        # lost while learner 0's INIT was still going up is redialed like any other); after
+        # that, reconnect_timeout from the loss of the last working group.
+        quiet = QuietDeadline(self.counters, cfg.connect_timeout)
+        reconnect_by = math.inf
+
+        def give_up_at() -> float:
+            return reconnect_by if self._ever_served else quiet.deadline()
+
         first = True
         delays = 0  # backoff index: consecutive failed attempts since the last good group
         while not self._stop.is_set():
             if not first:
-                wait = min(backoff_delay(delays), max(give_up_at - time.monotonic(), 0.0))
+                wait = min(backoff_delay(delays), max(give_up_at() - time.monotonic(), 0.0))
                 delays += 1
                 await self._sleep_unless_stopped(wait)
                 if self._stop.is_set():
                     return
             first = False
             try:
-                group = await self._dial(give_up_at)
+                group = await self._dial(give_up_at())
             except (OSError, TimeoutError) as exc:
                 self.last_error = _describe(exc)
-                if time.monotonic() >= give_up_at:
+                if time.monotonic() >= give_up_at():
                     self._fail(self.unreachable())
                     return
                 continue
@@ -342,7 +352,7 @@ class SyncerClient:
             self._ever_connected = True
             # A redial must hear from the syncer by the reconnect deadline: a syncer that
             # accepts and then says nothing (hung, or only its kernel accepting) is lost too.
-            silence_limit = give_up_at if self._ever_served else None
+            silence_limit = reconnect_by if self._ever_served else None
             try:
                 reason = await self._serve(group, silence_limit)
             except ProtocolError as exc:
@@ -355,7 +365,7 @@ class SyncerClient:
             if group.received_any:  # a working group: the backoff and the deadline restart
                 self._ever_served = True
                 delays = 0
-                give_up_at = time.monotonic() + cfg.reconnect_timeout
+                reconnect_by = time.monotonic() + cfg.reconnect_timeout
                 # Training goes on meanwhile: without a word here only the generation count
                 # would show that the learner was cut off.
                 _log.warning(
@@ -364,7 +374,7 @@ class SyncerClient:
                     reason,
                     cfg.reconnect_timeout,
                 )
-            elif time.monotonic() >= give_up_at:
+            elif time.monotonic() >= give_up_at():
                 self._fail(self.unreachable())
                 return
 
@@ -376,8 +386,9 @@ class SyncerClient:
             # restarted or dropped us mid-frame): "could not connect" would send the user to
             # look for a syncer that is running.
             return SyncerUnreachable(
-                f"connected to the syncer at {cfg.address}, but no whole message came from it "
-                f"within {cfg.connect_timeout:g} s (last error: {self.last_error or 'none'})"
+                f"connected to the syncer at {cfg.address}, but no whole message came from it, "
+                f"and nothing more arrived for {cfg.connect_timeout:g} s "
+                f"(last error: {self.last_error or 'none'})"
             )
         if not self._ever_served:
             what = (
