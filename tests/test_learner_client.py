@@ -349,6 +349,25 @@ def test_a_frame_cut_short_by_a_lost_connection_is_redialed_not_fatal(
     second.close()
 
 
+def test_nothing_is_started_on_a_socket_the_syncer_closed(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    # In the close grace (stream 0 at EOF, a data socket still open) a BUDGET_DONE was written
+    # to stream 0: it counted as sent, so it never came back to be sent again, and the cutoff
+    # syncer waited for it in vain.
+    client, group = open_group(make_client, syncer, 1, heartbeat_interval=60)
+    group.control.send(PullReq(0, 1, 0))  # a working group
+    assert isinstance(next_item(client), Received)
+    group.control.sock.close()  # the data socket stays open: the group is in its close grace
+    time.sleep(0.2)  # the client read the EOF
+    client.send(1, BudgetDone(10))  # epoch 1: the first group
+    items = [next_item(client)]
+    while not isinstance(items[-1], GroupLost):
+        items.append(next_item(client))
+    assert any(isinstance(i, Undelivered) and i.message == BudgetDone(10) for i in items), items
+    group.close()
+
+
 def test_nothing_listening_fails_within_the_connect_timeout(
     make_client: list[SyncerClient],
 ) -> None:

@@ -412,6 +412,11 @@ class ConnectionGroup:
                     return
                 stream.ready = anyio.Event()
                 await stream.ready.wait()
+            if stream.index in self._closed_streams:
+                # The syncer closed this socket (its EOF was read): a frame started now would
+                # count as sent and be lost unread. What is queued comes back undelivered with
+                # the group (a BUDGET_DONE is then sent again on the next one).
+                return
             try:
                 await self._write_frame(sock, queue[0])
             except OSError as exc:
