@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -366,6 +367,29 @@ def test_nothing_is_started_on_a_socket_the_syncer_closed(
         items.append(next_item(client))
     assert any(isinstance(i, Undelivered) and i.message == BudgetDone(10) for i in items), items
     group.close()
+
+
+def test_close_during_a_hanging_name_lookup_returns_with_the_thread_ended(
+    make_client: list[SyncerClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The lookup ran in the event loop's default executor, which the loop joins as it ends:
+    # close() returned after its bound with the client thread still waiting for the resolver.
+    lookup = socket.getaddrinfo
+
+    def hanging(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(6)
+        return lookup(*args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    config = ClientConfig("syncer.invalid", 9, num_streams=1, connect_timeout=30)
+    client = SyncerClient(config, HELLO, LIMITS)
+    make_client.append(client)
+    client.start()
+    time.sleep(0.3)  # the dial is waiting for the lookup
+    started = time.monotonic()
+    client.close()
+    assert time.monotonic() - started < 4.0
+    assert not client.running
 
 
 def test_nothing_listening_fails_within_the_connect_timeout(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import socket
 from collections import deque
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 
 from yeto_proto import (
     AnyMessage,
@@ -123,7 +125,12 @@ async def open_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     sockets are closed before the next address is tried; the last attempt's OSError is raised
     (e.g. connection refused). Cancelled, it closes every socket it opened.
     """
-    infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    # In a worker thread a cancelled dial abandons: a resolver that hangs must not hold up
+    # close() (the thread of anyio.getaddrinfo is joined when the client's event loop ends).
+    infos = await anyio.to_thread.run_sync(
+        functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM),
+        abandon_on_cancel=True,
+    )
     last: OSError = OSError(f"no address for {host}:{port}")
     for family, kind, proto, _, address in infos:
         sockets: list[socket.socket] = []
