@@ -396,14 +396,14 @@ def test_a_dial_falls_back_to_the_next_address_and_closes_the_sockets_of_the_dea
 ) -> None:
     dead = free_port()
 
-    async def dead_then_live(host: str, port: int, **kwargs: Any) -> list[Any]:
+    def dead_then_live(host: str, port: int, **kwargs: Any) -> list[Any]:
         # As "localhost" resolving to ::1, where nothing listens, before 127.0.0.1.
         return [
             (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", dead)),
             (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", port)),
         ]
 
-    monkeypatch.setattr(anyio, "getaddrinfo", dead_then_live)
+    monkeypatch.setattr(socket, "getaddrinfo", dead_then_live)
     log = ConnectLog(monkeypatch)
     client = start_client(make_client, syncer.port, num_streams=3, heartbeat_interval=60)
     group = syncer.accept_group(3)

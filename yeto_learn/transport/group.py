@@ -26,6 +26,7 @@ import socket
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -150,7 +151,7 @@ async def open_sockets(host: str, port: int, count: int) -> list[socket.socket]:
 
 
 def _start_connect(
-    sockets: list[socket.socket], family: int, kind: int, proto: int, address: tuple[str, int]
+    sockets: list[socket.socket], family: int, kind: int, proto: int, address: tuple[Any, ...]
 ) -> bool:
     """Open a socket (appended to ``sockets`` at once, so a failure closes it too) and start its
     connect; True when it is still in progress."""
