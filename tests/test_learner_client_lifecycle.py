@@ -958,6 +958,29 @@ def test_a_redialed_group_that_hears_nothing_is_given_up_at_the_reconnect_deadli
     silent.close()
 
 
+def test_a_redialed_group_whose_first_frame_is_still_arriving_is_kept(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    # Without data streams the first frame is a whole fragment (minutes on a slow link): a
+    # redial late in the reconnect window was cut as "silent" while it was arriving.
+    client = start_client(make_client, syncer.port, num_streams=0, reconnect_timeout=2)
+    first = syncer.accept_group(0)
+    assert isinstance(next_item(client), GroupUp)
+    first.control.send(PullReq(0, 1, 0))
+    assert isinstance(next_item(client), Received)
+    first.close()
+    second = syncer.accept_group(0)
+    items = items_within(client, 5, until=lambda item: isinstance(item, GroupUp))
+    assert isinstance(items[-1], GroupUp), items
+    frame = encode_bytes(BcastFragment(0, 1, np.zeros(5000, "<f4").view(np.uint8).data))
+    second.control.sock.sendall(frame[:100])  # the first bytes of a long first frame
+    time.sleep(3.0)  # past the reconnect deadline, the rest still on its way
+    second.control.sock.sendall(frame[100:])
+    items = items_within(client, 2, until=lambda item: isinstance(item, Received))
+    assert isinstance(items[-1], Received), items
+    second.close()
+
+
 def test_finish_warns_at_once_of_a_pull_that_waits_for_a_step(
     syncer: ScriptedSyncer, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -498,7 +498,7 @@ class SyncerClient:
 
     async def _end_if_silent(self, group: ConnectionGroup, limit: float) -> None:
         await anyio.sleep(max(limit - time.monotonic(), 0.0))
-        if not group.received_any:
+        if not group.heard_from:  # bytes of a frame still arriving count
             group.stop("the syncer sent nothing on the redialed group", flush=False)
 
     async def _heartbeats(self, group: ConnectionGroup) -> None:

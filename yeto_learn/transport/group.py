@@ -221,6 +221,9 @@ class ConnectionGroup:
         self._draining = False
         #: The syncer sent at least one frame on this group.
         self.received_any = False
+        #: The syncer sent at least one byte on this group (a first frame may be a whole
+        #: fragment, minutes long on a slow link).
+        self.heard_from = False
         #: Once the group ended: whole messages of which no byte was written (in send order).
         self.unsent: list[AnyMessage] = []
         #: The newest queued PUSH of each fragment.
@@ -385,6 +388,7 @@ class ConnectionGroup:
                     self._closed_cleanly(stream, f"{name} closed by the syncer")
                 return
             self._counters.bytes_received += size
+            self.heard_from = True
             if direct:
                 decoder.wrote(size)
             else:
