@@ -515,20 +515,25 @@ class OneEvent(IdleSource):
         return event if event is not None else await super().next_event(until)
 
 
+async def run_stopped_after(driver: Driver, delay: float, source: Any) -> Exit:
+    """``driver.run(source)`` with a SIGTERM stop request ``delay`` seconds in."""
+    async with anyio.create_task_group() as tasks:
+
+        async def stop_later() -> None:
+            await anyio.sleep(delay)
+            driver.request_stop(143, "stopped by SIGTERM")
+
+        tasks.start_soon(stop_later)
+        with anyio.fail_after(5):
+            return await driver.run(source)
+
+
 def test_request_stop_ends_run_and_shuts_down() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         transport = RecordingTransport()
         driver = Driver(Scripted(), transport, clock, log=KeyValueLog(io.StringIO()))
-        async with anyio.create_task_group() as tasks:
-
-            async def stop_soon() -> None:
-                await anyio.sleep(0.05)
-                driver.request_stop(143, "stopped by SIGTERM")
-
-            tasks.start_soon(stop_soon)
-            with anyio.fail_after(5):
-                result = await driver.run(IdleSource(clock))
+        result = await run_stopped_after(driver, 0.05, IdleSource(clock))
         assert result == Exit(143, "stopped by SIGTERM")
         assert transport.calls[-1][0] == "shutdown"
 
@@ -551,15 +556,7 @@ def test_a_stop_request_does_not_cut_short_the_flush_of_an_exit() -> None:
         driver = Driver(
             Scripted([Exit(0, "finalized")]), transport, clock, log=KeyValueLog(io.StringIO())
         )
-        async with anyio.create_task_group() as tasks:
-
-            async def stop_during_the_flush() -> None:
-                await anyio.sleep(0.1)
-                driver.request_stop(143, "stopped by SIGTERM")
-
-            tasks.start_soon(stop_during_the_flush)
-            with anyio.fail_after(5):
-                result = await driver.run(OneEvent(clock, TimerFired("last ack")))
+        result = await run_stopped_after(driver, 0.1, OneEvent(clock, TimerFired("last ack")))
         assert result == Exit(0, "finalized")
         assert transport.flushed
 
@@ -586,15 +583,7 @@ def test_a_stop_before_the_final_marker_leaves_the_checkpoint_described_as_unmar
         outputs = Outputs(checkpoint_path=path, mark_final_checkpoint=True)
         driver = Driver(Scripted(script), RecordingTransport(), clock, outputs=outputs,
                         log=KeyValueLog(io.StringIO()))  # fmt: skip
-        async with anyio.create_task_group() as tasks:
-
-            async def stop_during_the_write() -> None:
-                await anyio.sleep(0.1)
-                driver.request_stop(143, "stopped by SIGTERM")
-
-            tasks.start_soon(stop_during_the_write)
-            with anyio.fail_after(5):
-                await driver.run(OneEvent(clock, TimerFired("last ack")))
+        await run_stopped_after(driver, 0.1, OneEvent(clock, TimerFired("last ack")))
         return driver.last_checkpoint
 
     box: list[DurableCheckpoint | None] = []

@@ -937,15 +937,24 @@ def test_nothing_after_shutdown_fails_the_client(
     group.close()
 
 
+def lost_a_working_group(
+    make_client: list[SyncerClient], syncer: ScriptedSyncer, **options: float
+) -> SyncerClient:
+    """A client (no data streams) whose first group served a PULL, then closed: it redials,
+    under the reconnect deadline."""
+    client = start_client(make_client, syncer.port, num_streams=0, **options)
+    first = syncer.accept_group(0)
+    assert isinstance(next_item(client), GroupUp)
+    first.control.send(PullReq(0, 1, 0))
+    assert isinstance(next_item(client), Received)
+    first.close()
+    return client
+
+
 def test_a_redialed_group_that_hears_nothing_is_given_up_at_the_reconnect_deadline(
     syncer: ScriptedSyncer, make_client: list[SyncerClient]
 ) -> None:
-    client = start_client(make_client, syncer.port, num_streams=0, reconnect_timeout=2)
-    first = syncer.accept_group(0)
-    assert isinstance(next_item(client), GroupUp)
-    first.control.send(PullReq(0, 1, 0))  # a working group: the reconnect deadline applies
-    assert isinstance(next_item(client), Received)
-    first.close()
+    client = lost_a_working_group(make_client, syncer, reconnect_timeout=2)
     silent = syncer.accept_group(0)  # accepts, then never says a thing (a hung syncer)
     started = time.monotonic()
     items = items_within(client, 6, until=lambda item: isinstance(item, ClientFailed))
@@ -963,12 +972,7 @@ def test_a_redialed_group_whose_first_frame_is_still_arriving_is_kept(
 ) -> None:
     # Without data streams the first frame is a whole fragment (minutes on a slow link): a
     # redial late in the reconnect window was cut as "silent" while it was arriving.
-    client = start_client(make_client, syncer.port, num_streams=0, reconnect_timeout=2)
-    first = syncer.accept_group(0)
-    assert isinstance(next_item(client), GroupUp)
-    first.control.send(PullReq(0, 1, 0))
-    assert isinstance(next_item(client), Received)
-    first.close()
+    client = lost_a_working_group(make_client, syncer, reconnect_timeout=2)
     second = syncer.accept_group(0)
     items = items_within(client, 5, until=lambda item: isinstance(item, GroupUp))
     assert isinstance(items[-1], GroupUp), items

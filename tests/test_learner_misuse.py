@@ -454,11 +454,12 @@ RANK_SCRIPT = textwrap.dedent(
 )
 
 
-def test_rank_zero_failing_after_a_plan_fails_every_rank_in_that_step() -> None:
+def two_gloo_ranks(script: str) -> list[tuple[str, str]]:
+    """Run ``script`` as ranks 0 and 1 of a gloo group; each rank's (stdout, stderr)."""
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT],
+            [sys.executable, "-c", script],
             cwd=REPO,
             env={
                 **child_env(),
@@ -473,7 +474,11 @@ def test_rank_zero_failing_after_a_plan_fails_every_rank_in_that_step() -> None:
         )
         for rank in range(2)
     ]
-    outputs = [proc.communicate(timeout=60) for proc in procs]
+    return [proc.communicate(timeout=60) for proc in procs]
+
+
+def test_rank_zero_failing_after_a_plan_fails_every_rank_in_that_step() -> None:
+    outputs = two_gloo_ranks(RANK_SCRIPT)
     leader, other = (out.strip().splitlines()[-1] for out, _ in outputs)
     assert leader == "RuntimeError: PUSH delta of fragment 0 is not finite [[0.0, 1.0, 2.0]]"
     # Rank 1 used to return normally and then wait in the next collective for a rank 0
@@ -503,25 +508,7 @@ SETUP_FAILS_ON_RANK_ZERO = textwrap.dedent(
 def test_a_rank_zero_setup_error_reaches_every_rank_at_once() -> None:
     # Rank 0 raised before the first shared plan; rank 1 waited in it until rank 0's process
     # left the group, then got gloo's "Connection closed by peer".
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", SETUP_FAILS_ON_RANK_ZERO],
-            cwd=REPO,
-            env={
-                **child_env(),
-                "RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-            },  # fmt: skip
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = [proc.communicate(timeout=60) for proc in procs]
+    outputs = two_gloo_ranks(SETUP_FAILS_ON_RANK_ZERO)
     (leader_kind, leader_s, leader_text), (other_kind, other_s, other_text) = (
         re.fullmatch(r"(\w+) ([\d.]+): (.*)", out.strip().splitlines()[-1]).groups()  # type: ignore[union-attr]
         for out, _ in outputs
