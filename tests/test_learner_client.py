@@ -8,6 +8,7 @@ The last tests build a torch ``Learner`` against bad targets and a real yeto-syn
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -433,6 +434,50 @@ def test_a_syncer_that_never_completes_a_frame_is_not_reported_as_unreachable(
         "it, and nothing more arrived for 1 s"
     ), error
     assert len(client.generations) >= 3
+
+
+def test_a_peer_that_takes_learner_zeros_init_and_closes_is_given_up(
+    make_client: list[SyncerClient],
+) -> None:
+    # Each group sent a MiB or more (learner 0's INIT), which counted as progress: a proxy
+    # whose syncer was down (accept, read, close) was redialed forever, and the constructor
+    # never raised.
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def take_and_close() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(0.3)
+                with contextlib.suppress(OSError):
+                    while conn.recv(1 << 20):
+                        pass
+
+    proxy = threading.Thread(target=take_and_close, daemon=True)
+    proxy.start()
+    init = InitParams(0, np.zeros(1 << 19, "<f4").view(np.uint8).data)  # 2 MiB
+    client = start_client(make_client, listener.getsockname()[1], num_streams=0,
+                          connect_timeout=1.5)  # fmt: skip
+    try:
+        items: list[InboxItem] = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not any(isinstance(i, ClientFailed) for i in items):
+            item = client.wait(0.5)
+            if isinstance(item, GroupUp):
+                client.send(item.epoch, init)
+            if item is not None:
+                items.append(item)
+        assert isinstance(items[-1], ClientFailed), items
+        assert "no whole message came from it" in str(items[-1].error)
+    finally:
+        stop.set()
+        proxy.join(5)
+        listener.close()
 
 
 def test_a_decoding_error_is_fatal_and_not_redialed(

@@ -977,11 +977,26 @@ def test_a_redialed_group_whose_first_frame_is_still_arriving_is_kept(
     items = items_within(client, 5, until=lambda item: isinstance(item, GroupUp))
     assert isinstance(items[-1], GroupUp), items
     frame = encode_bytes(BcastFragment(0, 1, np.zeros(5000, "<f4").view(np.uint8).data))
-    second.control.sock.sendall(frame[:100])  # the first bytes of a long first frame
-    time.sleep(3.0)  # past the reconnect deadline, the rest still on its way
-    second.control.sock.sendall(frame[100:])
+    for start in range(0, 1000, 100):  # a slow link: past the reconnect deadline, and on
+        second.control.sock.sendall(frame[start : start + 100])
+        time.sleep(0.4)
+    second.control.sock.sendall(frame[1000:])
     items = items_within(client, 2, until=lambda item: isinstance(item, Received))
     assert isinstance(items[-1], Received), items
+    second.close()
+
+
+def test_a_redialed_group_whose_syncer_hangs_inside_its_first_frame_is_given_up(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    # A first frame kept the group only while its bytes kept coming: a syncer that hung inside
+    # it (its kernel still taking heartbeats) left the learner training unsynced for good.
+    client = lost_a_working_group(make_client, syncer, reconnect_timeout=1)
+    second = syncer.accept_group(0)
+    frame = encode_bytes(BcastFragment(0, 1, np.zeros(5000, "<f4").view(np.uint8).data))
+    second.control.sock.sendall(frame[:100])  # and then nothing
+    items = items_within(client, 8, until=lambda item: isinstance(item, ClientFailed))
+    assert isinstance(items[-1], ClientFailed), items
     second.close()
 
 

@@ -67,6 +67,8 @@ _log = logging.getLogger("yeto_learn")
 DIAL_TIMEOUT_S = 10.0
 #: The least a dial gets once the connect or reconnect deadline has (nearly) passed.
 DIAL_FLOOR_S = 0.25
+#: Groups lost before the syncer sent a byte whose upload still counts as progress, in a row.
+MAX_UNHEARD_LOSSES = 3
 #: How long ``close`` lets queued frames drain before it cuts the sockets.
 CLOSE_FLUSH_S = 2.0
 #: The inbox's allowance beyond two of the largest fragment (see :func:`default_inbox_cap`).
@@ -324,10 +326,17 @@ class SyncerClient:
         # lost while learner 0's INIT was still going up is redialed like any other); after
         # that, reconnect_timeout from the loss of the last working group.
         quiet = QuietDeadline(self.counters, cfg.connect_timeout)
+        # Bytes sent on groups that were then lost unheard count only so often: something
+        # that takes learner 0's INIT and closes (a proxy whose syncer is down) would else
+        # be redialed forever.
+        heard = QuietDeadline(self.counters, cfg.connect_timeout, count_sent=False)
+        unheard_losses = 0
         reconnect_by = math.inf
 
         def give_up_at() -> float:
-            return reconnect_by if self._ever_served else quiet.deadline()
+            if self._ever_served:
+                return reconnect_by
+            return (quiet if unheard_losses < MAX_UNHEARD_LOSSES else heard).deadline()
 
         first = True
         delays = 0  # backoff index: consecutive failed attempts since the last good group
@@ -374,9 +383,11 @@ class SyncerClient:
                     reason,
                     cfg.reconnect_timeout,
                 )
-            elif time.monotonic() >= give_up_at():
-                self._fail(self.unreachable())
-                return
+            else:
+                unheard_losses = 0 if group.heard_from else unheard_losses + 1
+                if time.monotonic() >= give_up_at():
+                    self._fail(self.unreachable())
+                    return
 
     def unreachable(self) -> SyncerUnreachable:
         """The error for a syncer that could not be reached (again) in time."""
@@ -498,7 +509,13 @@ class SyncerClient:
 
     async def _end_if_silent(self, group: ConnectionGroup, limit: float) -> None:
         await anyio.sleep(max(limit - time.monotonic(), 0.0))
-        if not group.heard_from:  # bytes of a frame still arriving count
+        # A first frame still arriving keeps the group as long as its bytes keep coming (a
+        # whole fragment without data streams): a syncer that hung inside it does not.
+        seen = -1
+        while not group.received_any and group.bytes_received != seen:
+            seen = group.bytes_received
+            await anyio.sleep(self.config.reconnect_timeout)
+        if not group.received_any:
             group.stop("the syncer sent nothing on the redialed group", flush=False)
 
     async def _heartbeats(self, group: ConnectionGroup) -> None:

@@ -221,13 +221,18 @@ class ConnectionGroup:
         self._draining = False
         #: The syncer sent at least one frame on this group.
         self.received_any = False
-        #: The syncer sent at least one byte on this group (a first frame may be a whole
-        #: fragment, minutes long on a slow link).
-        self.heard_from = False
+        #: Bytes the syncer sent on this group (a first frame may be a whole fragment,
+        #: minutes long on a slow link).
+        self.bytes_received = 0
         #: Once the group ended: whole messages of which no byte was written (in send order).
         self.unsent: list[AnyMessage] = []
         #: The newest queued PUSH of each fragment.
         self._pushes: dict[int, _QueuedPush] = {}
+
+    @property
+    def heard_from(self) -> bool:
+        """The syncer sent at least one byte on this group."""
+        return self.bytes_received > 0
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, message: AnyMessage) -> None:
@@ -388,7 +393,7 @@ class ConnectionGroup:
                     self._closed_cleanly(stream, f"{name} closed by the syncer")
                 return
             self._counters.bytes_received += size
-            self.heard_from = True
+            self.bytes_received += size
             if direct:
                 decoder.wrote(size)
             else:
