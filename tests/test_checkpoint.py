@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -675,13 +676,23 @@ def test_layout_file_round_trips(tmp_path: Path) -> None:
 
 def test_orphaned_temporaries_are_those_of_writers_that_are_gone(tmp_path: Path) -> None:
     target = tmp_path / "ckpt"
+    live_pid = os.getppid()  # whatever started this process: alive
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     dead_pid = int(gone.stdout)
     orphan = tmp_path / f".ckpt.{dead_pid}.0123456789ab.tmp"
-    live = tmp_path / f".ckpt.{os.getpid()}.0123456789ab.tmp"  # another writer, still writing
-    unrelated = [tmp_path / f".other.{dead_pid}.0123456789ab.tmp", tmp_path / ".ckpt.x.tmp"]
-    for path in (orphan, live, *unrelated):
+    # Its own id: a former process's (a container restarted with the same id).
+    former = tmp_path / f".ckpt.{os.getpid()}.00000000000a.tmp"
+    live = tmp_path / f".ckpt.{live_pid}.0123456789ab.tmp"  # another writer, still writing
+    fresh = tmp_path / f".ckpt.{dead_pid}.00000000000b.tmp"  # a writer this process can't see
+    unrelated = [
+        tmp_path / f".other.{dead_pid}.0123456789ab.tmp",
+        tmp_path / ".ckpt.x.tmp",
+        tmp_path / f".ckpt.{10**30}.0123456789ab.tmp",  # no process id at all
+    ]
+    for path in (orphan, former, live, fresh, *unrelated):
         path.write_bytes(b"partial")
-    assert orphaned_temporaries(target) == [orphan]
+        if path is not fresh:
+            os.utime(path, (time.time() - 120, time.time() - 120))
+    assert orphaned_temporaries(target) == sorted([orphan, former])
     assert orphaned_temporaries(tmp_path / "missing-dir" / "ckpt") == []

@@ -278,6 +278,7 @@ def test_temporary_files_of_a_crashed_write_are_removed_at_start(tmp_path: Path)
                           capture_output=True, text=True, check=True)  # fmt: skip
     orphan = tmp_path / f".ckpt.{int(gone.stdout)}.0123456789ab.tmp"
     orphan.write_bytes(bytes(1000))
+    os.utime(orphan, (time.time() - 120, time.time() - 120))  # not just written
     flags = ["--learners=1", "--total-steps=9", f"--checkpoint-path={checkpoint}"]
     refused = yeto_sync(*flags)  # no --resume: refused, and a refusal changes nothing
     assert refused.returncode == 2 and len(refused.stderr.splitlines()) == 1, refused.stderr

@@ -17,6 +17,7 @@ import os
 import re
 import secrets
 import stat
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -28,29 +29,42 @@ def temporary_sibling(target: Path) -> Path:
     return target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
 
 
-def orphaned_temporaries(target: Path) -> list[Path]:
+#: A temporary file written to this recently may belong to a live writer whose process id
+#: this process cannot see (another container on the same volume).
+ORPHAN_MIN_AGE_S = 60.0
+
+
+def orphaned_temporaries(target: Path, *, now: float | None = None) -> list[Path]:
     """The :func:`temporary_sibling` files of ``target`` whose writing process is gone.
 
     A hard crash (``kill -9``, power loss) mid-write leaves one behind, as large as the file;
-    a restart loop would gather them until the disk is full. A file whose process id is
-    alive is kept, whoever holds that id now: it may be another writer of the same target.
+    a restart loop would gather them until the disk is full. Called before this process
+    writes any: one named with its own process id is a former process's (a container
+    restarted with the same id). A file whose process id is alive otherwise is kept, whoever
+    holds that id now, and so is one written in the last :data:`ORPHAN_MIN_AGE_S` seconds.
     """
     pattern = re.compile(rf"\.{re.escape(target.name)}\.(\d+)\.[0-9a-f]{{12}}\.tmp")
+    now = time.time() if now is None else now
     found = []
     with contextlib.suppress(OSError):
         for sibling in target.parent.iterdir():
             match = pattern.fullmatch(sibling.name)
-            if match is not None and not _process_alive(int(match.group(1))):
-                found.append(sibling)
+            if match is None or _writer_may_live(int(match.group(1))):
+                continue
+            with contextlib.suppress(OSError):
+                if now - sibling.stat().st_mtime >= ORPHAN_MIN_AGE_S:
+                    found.append(sibling)
     return sorted(found)
 
 
-def _process_alive(pid: int) -> bool:
+def _writer_may_live(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # EPERM: alive, someone else's
+    except (OSError, OverflowError, ValueError):  # EPERM: someone else's; or no such id
         return True
     return True
 
