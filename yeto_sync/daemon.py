@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -604,33 +604,32 @@ async def _stop_on_signal(
     The receiver stays open until the daemon is done: a second signal must not kill it with
     the default action while it finishes a checkpoint write or flushes its queues.
     """
+    stopping = False
+
+    def on_signal(signum: int) -> None:
+        nonlocal stopping
+        name = signal.Signals(signum).name
+        if stopping:
+            log("warning", "already stopping", {"signal": name})
+            return
+        stopping = True
+        log("info", "stopping", {"signal": name, "grace_s": driver.shutdown_grace})
+        driver.request_stop(128 + signum, f"stopped by {name}")
+
     try:
         with anyio.open_signal_receiver(*signals.signals) as received:
             task_status.started()
-            # One that came before the receiver, whose Stopped the event loop swallowed (raised
-            # in a callback, it is only logged there): acted on now, not lost.
-            earlier = [] if signals.received is None else [signals.received]
-            stopping = False
-            async for signum in _chained(earlier, received):
-                name = signal.Signals(signum).name
-                if stopping:
-                    log("warning", "already stopping", {"signal": name})
-                    continue
-                stopping = True
-                log("info", "stopping", {"signal": name, "grace_s": driver.shutdown_grace})
-                driver.request_stop(128 + signum, f"stopped by {name}")
+            if signals.received is not None:
+                # It came before the receiver, and the event loop swallowed its Stopped
+                # (raised in a callback, it is only logged there): acted on now, not lost.
+                on_signal(signals.received)
+            async for signum in received:
+                on_signal(signum)
     finally:
         # Closing the receiver put the default actions back. The run is over; only the last
         # line is left to print, and a late signal must not kill the process before or after
         # it (ignored signals stay ignored through the interpreter's shutdown).
         ignore_stop_signals(signals.signals)
-
-
-async def _chained(first: list[int], then: AsyncIterator[int]) -> AsyncIterator[int]:
-    for item in first:
-        yield item
-    async for item in then:
-        yield item
 
 
 def _kept_state(driver: Driver) -> str:
