@@ -23,10 +23,14 @@ from pathlib import Path
 
 from ..errors import CheckpointError, ErrorCode
 
+#: Random bytes in a temporary file's name (written as twice as many hex digits).
+_TEMPORARY_TOKEN_BYTES = 6
+
 
 def temporary_sibling(target: Path) -> Path:
     """A fresh hidden name beside ``target`` (same directory, so same file system)."""
-    return target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    token = secrets.token_hex(_TEMPORARY_TOKEN_BYTES)
+    return target.with_name(f".{target.name}.{os.getpid()}.{token}.tmp")
 
 
 #: A temporary file written to this recently may belong to a live writer whose process id
@@ -43,7 +47,8 @@ def orphaned_temporaries(target: Path, *, now: float | None = None) -> list[Path
     restarted with the same id). A file whose process id is alive otherwise is kept, whoever
     holds that id now, and so is one written in the last :data:`ORPHAN_MIN_AGE_S` seconds.
     """
-    pattern = re.compile(rf"\.{re.escape(target.name)}\.(\d+)\.[0-9a-f]{{12}}\.tmp")
+    hex_digits = 2 * _TEMPORARY_TOKEN_BYTES  # as temporary_sibling names them
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(\d+)\.[0-9a-f]{{{hex_digits}}}\.tmp")
     now = time.time() if now is None else now
     found = []
     with contextlib.suppress(OSError):
