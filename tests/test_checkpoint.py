@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from yeto_proto.checkpoint import (
+    UNSYNCED_RENAME,
     Checkpoint,
     CheckpointFormat,
     CheckpointWriter,
@@ -27,6 +28,7 @@ from yeto_proto.checkpoint import (
     LegacyIdentity,
     MarkerStatus,
     TrailerKind,
+    atomic,
     export_tensors,
     final_marker_bytes,
     is_marked_final,
@@ -411,6 +413,32 @@ def test_atomic_small_write_replaces_and_cleans_up(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as caught:
         write_bytes_atomically(tmp_path / "no" / "f", b"x")
     assert caught.value.code is ErrorCode.CKPT_IO
+    assert caught.value.section != UNSYNCED_RENAME  # nothing was replaced
+
+
+def test_a_directory_sync_failing_after_the_rename_says_the_new_file_is_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "f"
+    write_bytes_atomically(target, b"old")
+    real_fsync_path = atomic.fsync_path
+
+    def directories_fail(path: Path) -> None:
+        if path.is_dir():
+            raise OSError(5, "Input/output error")
+        real_fsync_path(path)
+
+    monkeypatch.setattr(atomic, "fsync_path", directories_fail)
+    with pytest.raises(CheckpointError) as caught:
+        write_bytes_atomically(target, b"new")
+    assert caught.value.code is ErrorCode.CKPT_IO
+    assert caught.value.section == UNSYNCED_RENAME
+    assert str(caught.value) == (
+        "CKPT_IO: directory sync: Input/output error: the new file replaced the old one, but its"
+        " directory could not be synced, so a crash may bring the old one back"
+        f" (file {target})"
+    )
+    assert target.read_bytes() == b"new" and leftovers(tmp_path) == []
 
 
 # -- final marker --------------------------------------------------------------------------------

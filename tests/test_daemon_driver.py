@@ -437,6 +437,41 @@ def test_a_marker_left_beside_a_resumed_checkpoint_goes_before_the_first_replace
     run(scenario)
 
 
+def test_a_checkpoint_whose_directory_cannot_be_synced_is_named_as_in_place_not_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rename happened: the last line must not name the checkpoint before as the one kept
+    (nor the log say it was not replaced), and must not call the new one durable either."""
+    real_fsync_path = atomic.fsync_path
+
+    def directories_fail(path: Path) -> None:
+        if path.is_dir():
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_fsync_path(path)
+
+    async def scenario() -> None:
+        path = tmp_path / "ckpt.bin"
+        write_checkpoint(path, checkpoint_at(4))
+        write_final_marker(path, 4)
+        monkeypatch.setattr(atomic, "fsync_path", directories_fail)
+        driver, log = periodic_writes_driver(tmp_path, [6])
+        await driver.dispatch(TimerFired("x"))
+        assert driver.exit is not None and driver.exit.code == 1
+        assert driver.exit.reason.startswith("checkpoint write failed: CKPT_IO: directory sync: ")
+        assert read_checkpoint(path).global_step == 6
+        kept = driver.last_checkpoint
+        assert kept == DurableCheckpoint(path, 6, CheckpointKind.PERIODIC, synced=False)
+        assert kept.describe() == (
+            f"last checkpoint {path} at global_step 6"
+            " (in place, but not known durable: its directory could not be synced)"
+        )
+        assert "final marker of the replaced checkpoint removed" in log.getvalue()
+        assert "not replaced" not in log.getvalue()
+        assert "checkpoint written" not in log.getvalue()
+
+    run(scenario)
+
+
 def test_a_first_checkpoint_write_that_fails_keeps_the_marker_of_the_file_it_did_not_replace(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -34,8 +34,9 @@ import anyio.from_thread
 import anyio.to_thread
 import numpy as np
 
-from yeto_proto import ProtocolError, PushFragment
+from yeto_proto import CheckpointError, ProtocolError, PushFragment
 from yeto_proto.checkpoint import (
+    UNSYNCED_RENAME,
     Checkpoint,
     remove_final_marker,
     write_checkpoint,
@@ -217,11 +218,30 @@ class DurableCheckpoint:
     path: Path
     global_step: int
     kind: CheckpointKind
+    #: False when the file replaced the old one but its directory could not be synced: it is
+    #: what a reader finds now, yet a crash may bring back the one before.
+    synced: bool = True
 
     def describe(self) -> str:
         if self.kind is CheckpointKind.RESUMED:
             return f"{self.kind.value}, {self.path} at global_step {self.global_step}"
-        return f"{self.kind.value} {self.path} at global_step {self.global_step}"
+        if self.synced:
+            return f"{self.kind.value} {self.path} at global_step {self.global_step}"
+        kind = "last checkpoint" if self.kind is CheckpointKind.PERIODIC else self.kind.value
+        return (
+            f"{kind} {self.path} at global_step {self.global_step}"
+            " (in place, but not known durable: its directory could not be synced)"
+        )
+
+
+class WriteOutcome(enum.Enum):
+    """How an atomic write ended."""
+
+    WRITTEN = enum.auto()
+    #: Nothing replaced: the file on disk is the one before.
+    FAILED = enum.auto()
+    #: Replaced, but the directory fsync after the rename failed (the run ends all the same).
+    REPLACED_UNSYNCED = enum.auto()
 
 
 class Driver:
@@ -503,16 +523,17 @@ class Driver:
         removed: list[bool] = []
         remove = None if self._marker_cleared else lambda: removed.append(remove_final_marker(path))
         writer = functools.partial(write_checkpoint, before_replace=remove)
-        written = await self._write_file("checkpoint", writer, path, state)
+        outcome = await self._write_file("checkpoint", writer, path, state)
+        replaced = outcome is not WriteOutcome.FAILED
         if any(removed):
             self._log(
                 "warning",
                 "final marker of the replaced checkpoint removed"
-                if written
+                if replaced
                 else "final marker removed, but the checkpoint was not replaced",
                 {"path": str(path)},
             )
-        if written:
+        if replaced:
             self._marker_cleared = True
             if recovery:
                 kind = CheckpointKind.RECOVERY
@@ -522,7 +543,10 @@ class Driver:
                 kind = CheckpointKind.FINAL_UNMARKED
             else:
                 kind = CheckpointKind.FINAL
-            self.last_checkpoint = DurableCheckpoint(path, state.global_step, kind)
+            self.last_checkpoint = DurableCheckpoint(
+                path, state.global_step, kind, synced=outcome is WriteOutcome.WRITTEN
+            )
+        if outcome is WriteOutcome.WRITTEN:
             self._log(
                 "info",
                 "checkpoint written",
@@ -534,7 +558,8 @@ class Driver:
         if path is None:
             self._log("error", "final marker requested without --checkpoint-path", {})
             return
-        if await self._write_file("final marker", write_final_marker, path, global_step):
+        outcome = await self._write_file("final marker", write_final_marker, path, global_step)
+        if outcome is WriteOutcome.WRITTEN:
             self._log("info", "final marker written", {"global_step": global_step})
             kept = self.last_checkpoint
             if kept is not None and kept.kind is CheckpointKind.FINAL_UNMARKED:
@@ -553,7 +578,8 @@ class Driver:
             raise TypeError(f"WriteFinalState carries {type(state).__name__}, not a Checkpoint")
         if not await self._iso_pool_allows("final state"):
             return
-        if await self._write_file("final state", write_checkpoint, path, state):
+        outcome = await self._write_file("final state", write_checkpoint, path, state)
+        if outcome is WriteOutcome.WRITTEN:
             self._log("info", "final state written", {"path": str(path)})
 
     async def _iso_pool_allows(self, what: str) -> bool:
@@ -575,12 +601,15 @@ class Driver:
             return False
         return True
 
-    async def _write_file(self, what: str, writer: Callable[..., object], *args: object) -> bool:
+    async def _write_file(
+        self, what: str, writer: Callable[..., object], *args: object
+    ) -> WriteOutcome:
         """Run a blocking, atomic writer in a worker thread; a failure ends the run."""
         try:
             # Not cancellable: a stop waits for the write, so what is on disk is known.
             await anyio.to_thread.run_sync(writer, *args)
         except (ProtocolError, OSError) as exc:
             await self._finish(self._fail(f"{what} write failed: {exc}"))
-            return False
-        return True
+            unsynced = isinstance(exc, CheckpointError) and exc.section == UNSYNCED_RENAME
+            return WriteOutcome.REPLACED_UNSYNCED if unsynced else WriteOutcome.FAILED
+        return WriteOutcome.WRITTEN

@@ -6,7 +6,13 @@ The bytes are declared in :mod:`.schema` and described in ``spec/checkpoint.md``
 
 from __future__ import annotations
 
-from .atomic import atomic_replace, io_error, orphaned_temporaries, write_bytes_atomically
+from .atomic import (
+    UNSYNCED_RENAME,
+    atomic_replace,
+    io_error,
+    orphaned_temporaries,
+    write_bytes_atomically,
+)
 from .export import ExportedTensors, LegacyIdentity, export_tensors, load_layout, verify_identity
 from .marker import (
     MarkerState,
@@ -43,6 +49,7 @@ from .schema import CONTRACT_TAG
 from .writer import CheckpointWriter, write_checkpoint
 
 __all__ = [
+    "UNSYNCED_RENAME",
     "CONTRACT_TAG",
     "F32",
     "Checkpoint",

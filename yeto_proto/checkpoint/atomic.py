@@ -121,6 +121,12 @@ def release_cached_pages(path: Path) -> None:
         os.close(fd)
 
 
+#: The ``section`` of the error :func:`atomic_replace` raises when the directory fsync after the
+#: rename fails: unlike any other failure, the target *was* replaced (readers see the new file),
+#: it is only not known to survive a crash.
+UNSYNCED_RENAME = "directory sync"
+
+
 @contextlib.contextmanager
 def atomic_replace(
     target: str | os.PathLike[str], *, before_replace: Callable[[], object] | None = None
@@ -131,7 +137,8 @@ def atomic_replace(
     handles must be closed when the block ends; the data is then fsynced, renamed and the
     directory fsynced. ``before_replace`` runs once the new data is durable, right before the
     rename (an error there leaves the target as it was). ``OSError`` becomes
-    ``CheckpointError(CKPT_IO)``.
+    ``CheckpointError(CKPT_IO)``; its section is :data:`UNSYNCED_RENAME` only when the
+    target was already replaced.
     """
     final = Path(target)
     staging = temporary_sibling(final)
@@ -151,7 +158,13 @@ def atomic_replace(
     try:
         fsync_path(final.parent)
     except OSError as exc:
-        raise io_error(final, exc) from exc
+        reason = exc.strerror or str(exc)
+        raise CheckpointError(
+            ErrorCode.CKPT_IO,
+            f"{reason}: the new file replaced the old one, but its directory could not be synced,"
+            f" so a crash may bring the old one back (file {os.fspath(final)})",
+            section=UNSYNCED_RENAME,
+        ) from exc
 
 
 def write_bytes_atomically(target: str | os.PathLike[str], data: bytes) -> None:
