@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -264,40 +266,74 @@ def test_adaptive_grace(answer_after: float, expected_grace: float) -> None:
     assert sim.merges[0]["quorum_ms"] == pytest.approx(answer_after * 1000)
 
 
-def test_sync_time_includes_the_merge_as_the_work_clock_measures_it() -> None:
+def merge_clock(seconds_per_merge: float) -> Callable[[], float]:
+    """A work clock each of whose readings is ``seconds_per_merge`` after the one before (the
+    coordinator reads it when a merge starts and when it ends)."""
+    readings = itertools.count(1)
+    return lambda: seconds_per_merge * next(readings)
+
+
+def test_sync_time_is_the_merge_as_the_work_clock_measures_it() -> None:
     config = SyncerConfig(learners=1, total_steps=2, quorum=1, sync_interval_steps=0)
-    ticks = iter(0.25 * i for i in range(1, 1000))  # every reading 0.25 s after the previous
-    sim = Sim(config, LAYOUT3, work_clock=lambda: next(ticks))
+    sim = Sim(config, LAYOUT3, work_clock=merge_clock(0.25))
     sim.start()
     sim.run()
-    # No round waited for an earlier one, so ξ_sync is the merge alone: one tick each.
     assert [m["sync_ms"] for m in sim.merges] == [250.0, 250.0]
 
 
-def test_grace_subtracts_the_previous_sync_time() -> None:
+def test_sync_time_is_the_merge_alone_not_the_wait_for_lower_rounds() -> None:
+    """Pinned: ξ_sync = the previous round's merge + commit time. A round that completed early
+    and waited for a stalled lower one must not shrink the next grace window by that wait."""
     config = SyncerConfig(learners=2, total_steps=4, quorum=1, sync_interval_steps=0)
-    sim = Sim(config, LAYOUT3)  # H = 0: no pacing, pipeline 2
+    sim = Sim(config, LAYOUT3, work_clock=merge_clock(0.1))  # H = 0: no pacing, pipeline 2
     a, b = sim.learner(0, auto=False), sim.learner(1, auto=False)
     a.connect()
     b.connect()
     _estimates(sim, a, b)  # ξ_step = 0.2 s
     a.init_all([np.zeros(f.numel, np.float32) for f in LAYOUT3.fragments])
     first, second = sim.sends_to(a.key, PullReq)
-    # Round 2 completes at once (all answered) but must wait 0.1 s for round 1 to commit.
+    # Round 2 completes at once (all answered), then waits 0.3 s for round 1 to commit.
     sim.message(a.key, a.push_for(second, local_step=20))
     sim.message(b.key, b.push_for(second, local_step=10))
-    sim.advance(0.1)
+    sim.advance(0.3)
     sim.message(a.key, a.push_for(first, local_step=20))
     sim.message(b.key, b.push_for(first, local_step=10))
-    assert [(m["step"], m["sync_ms"]) for m in sim.merges] == [(1, 0.0), (2, 100.0)]
+    assert [(m["step"], m["sync_ms"]) for m in sim.merges] == [(1, 100.0), (2, 100.0)]
     third = sim.sends_to(a.key, PullReq)[2]
     assert third.global_step == 3
-    sim.advance(0.05)
+    sim.advance(0.25)  # round 3 was launched once both merges were done: 0.05 s ago
 
     sim.message(a.key, a.push_for(third, local_step=20))
 
     # 0.8·(2·0.2 − 0.05 − 0.1) = 0.2
     assert sim.timers["grace:3:1"] == pytest.approx(sim.now + 0.2)
+
+
+def test_a_round_launched_after_a_commit_counts_from_the_end_of_the_merge() -> None:
+    """Its PULLs leave once the merge is done: its ξ_quorum, quorum deadline and pacing count
+    from then, or the merge would be subtracted from the grace window twice."""
+    config = SyncerConfig(
+        learners=2, total_steps=3, quorum=1, pipeline=1, quorum_timeout_s=10, sync_interval_steps=0
+    )
+    sim = Sim(config, LAYOUT3, work_clock=merge_clock(0.1))
+    a, b = sim.learner(0, auto=False), sim.learner(1, auto=False)
+    a.connect()
+    b.connect()
+    _estimates(sim, a, b)  # ξ_step = 0.2 s
+    a.init_all([np.zeros(f.numel, np.float32) for f in LAYOUT3.fragments])
+    (first,) = sim.sends_to(a.key, PullReq)
+    sim.message(a.key, a.push_for(first, local_step=20))
+    sim.message(b.key, b.push_for(first, local_step=10))  # round 1 commits; round 2 launches
+    committed_at = sim.now
+    second = sim.sends_to(a.key, PullReq)[1]
+    assert second.global_step == 2
+    assert sim.timers["quorum:2:1"] == pytest.approx(committed_at + 0.1 + 10)
+    sim.advance(0.2)  # 0.1 s after the PULL left
+
+    sim.message(a.key, a.push_for(second, local_step=20))
+
+    # 0.8·(2·0.2 − 0.1 − 0.1) = 0.16; counted from the event, ξ_quorum would be 0.2 s
+    assert sim.timers["grace:2:1"] == pytest.approx(sim.now + 0.16)
 
 
 # -- deadlines and retries -----------------------------------------------------------------------

@@ -527,7 +527,6 @@ class ORound:
     accepted: dict[GroupKey, OPush] = field(default_factory=dict)
     quorum_at: float | None = None
     grace: float | None = None
-    completed_at: float | None = None
 
 
 @dataclass
@@ -962,7 +961,6 @@ class Oracle:
 
     def complete(self, target: ORound) -> None:
         target.phase = "complete"
-        target.completed_at = self.now
 
     def discard(self, target: ORound) -> None:
         self.bump("discarded")
@@ -1341,8 +1339,7 @@ class Oracle:
         self.global_step = done.step
         self.history[(p, done.step)] = self.bulk_bytes(p)
         self.snapshots[done.step] = self.snapshot()
-        assert done.completed_at is not None
-        sync_s = max(self.now - done.completed_at, 0.0)
+        sync_s = 0.0  # ξ_sync is the merge alone, and without a work clock merges take no time
         self.last_sync = sync_s
         self.commits.append(done.step)
         self.bump("commits")

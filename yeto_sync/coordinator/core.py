@@ -149,6 +149,8 @@ class Coordinator:
         """``work_clock`` times each merge for ξ_sync (the daemon passes a monotonic clock).
 
         Without it a merge takes no time, so a run depends only on its events and ``now``s.
+        With it, what an event does after its merges (launching the next rounds, say) happens
+        that much after its ``now``.
         """
         if iso_solver is None:
             if config.iso_backend is not IsoBackend.SCALAR:
@@ -195,8 +197,10 @@ class Coordinator:
         self._launch_due: float | None = None
         #: This event changed a step-time estimate or the connected learners.
         self._pacing_changed = False
-        #: ξ_sync: the previous commit's time from completion to commit.
+        #: ξ_sync: the previous commit's merge and outer step, as the work clock timed them.
         self._last_sync_s = 0.0
+        #: The time the merges of the event being handled took (by the work clock).
+        self._event_work_s = 0.0
         self._bcasts: dict[int, BcastFragment] = {}
         self._final: Finalization | None = None
         self._cutoff = (
@@ -255,6 +259,7 @@ class Coordinator:
         if self._exit is not None:
             return out
         self._pacing_changed = False
+        self._event_work_s = 0.0
         match event:
             case HelloReceived(conn=conn, hello=hello):
                 self._on_hello(conn, hello, out)
@@ -269,8 +274,14 @@ class Coordinator:
         if self._pacing_changed:
             # After the whole event: a PUSH is judged against the rounds launched before it.
             self._pacing_changed = False
-            self._recheck_pacing(now, out)
+            self._recheck_pacing(self._after_work(now), out)
         return out
+
+    def _after_work(self, now: float) -> float:
+        """The event's ``now`` advanced by its merges: a round launched after a commit is
+        launched (its PULLs leave) once the merge is done, and its ξ_quorum, quorum deadline
+        and pacing count from then (the merge is ξ_sync's, not counted twice)."""
+        return now + self._event_work_s
 
     # -- admission -------------------------------------------------------------------------
     def _on_hello(self, conn: ConnId, hello: Hello, out: list[Action]) -> None:
@@ -593,7 +604,7 @@ class Coordinator:
             )
         )
         if target.all_answered:
-            self._complete(target, now, out)
+            self._complete(target, out)
         elif target.has_quorum and target.grace_s is None:
             self._open_grace(target, now, out)
             if target.phase is not Phase.COMPLETE:
@@ -763,7 +774,7 @@ class Coordinator:
             if target.phase is not Phase.GATHERING:
                 return
             if kind == "grace" and target.has_quorum:
-                self._complete(target, now, out)
+                self._complete(target, out)
                 self._advance(now, out)
             elif kind == "quorum" and not target.has_quorum:
                 self._discard(target, now, out)
@@ -801,6 +812,7 @@ class Coordinator:
         self._commit_ready(now, out)
         if self._exit is not None:
             return
+        now = self._after_work(now)
         self._maybe_start(out)
         self._launch_rounds(now, out)
         self._maybe_finalize(now, out)
@@ -895,12 +907,12 @@ class Coordinator:
         grace = grace_window(self.config, slowest, target.quorum_s, self._last_sync_s)
         target.grace_s = grace
         if grace <= 0.0:
-            self._complete(target, now, out)
+            self._complete(target, out)
         else:
             out.append(SetTimer(_round_timer("grace", target.step, target.attempt), now + grace))
 
-    def _complete(self, target: Round, now: float, out: list[Action]) -> None:
-        target.complete(now)
+    def _complete(self, target: Round, out: list[Action]) -> None:
+        target.complete()
         out.append(CancelTimer(_round_timer("quorum", target.step, target.attempt)))
         if target.grace_s is not None and target.grace_s > 0.0:
             out.append(CancelTimer(_round_timer("grace", target.step, target.attempt)))
@@ -975,11 +987,11 @@ class Coordinator:
             out.append(AppendTape(tape.failure_record(done, str(exc))))
             self._fail(reason, out)
             return False
-        assert done.completed_at is not None
-        # ξ_sync: how long the completed round waited for its turn, plus the merge itself.
-        sync_s = max(now - done.completed_at, 0.0)
+        # ξ_sync (pinned): the merge and outer step; not the wait for lower rounds to commit.
+        sync_s = 0.0
         if self._work_clock is not None:
-            sync_s += max(self._work_clock() - merge_started, 0.0)
+            sync_s = max(self._work_clock() - merge_started, 0.0)
+        self._event_work_s += sync_s
         model.commit(done.step, done.fragment, merged)
         self._last_sync_s = sync_s
         self._bcasts.pop(done.fragment, None)

@@ -59,7 +59,6 @@ class Round:
     accepted: dict[GroupKey, Accepted] = field(default_factory=dict)
     quorum_reached_at: float | None = None
     grace_s: float | None = None
-    completed_at: float | None = None
 
     @classmethod
     def launch(
@@ -107,7 +106,8 @@ class Round:
         """ξ_quorum: launch of this attempt → K-th response (0 before quorum)."""
         if self.quorum_reached_at is None:
             return 0.0
-        return self.quorum_reached_at - self.launched_at
+        # Never negative: a launch after a merge is dated by the work clock's account of it.
+        return max(self.quorum_reached_at - self.launched_at, 0.0)
 
     # -- pushes ----------------------------------------------------------------------------
     def judge(
@@ -163,9 +163,8 @@ class Round:
         if self.quorum_reached_at is None and self.has_quorum:
             self.quorum_reached_at = accepted.received_at
 
-    def complete(self, now: float) -> None:
+    def complete(self) -> None:
         self.phase = Phase.COMPLETE
-        self.completed_at = now
 
     def discard(self) -> None:
         """Quorum deadline below K: drop every partial response of this attempt."""
