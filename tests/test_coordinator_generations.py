@@ -68,17 +68,41 @@ def test_closing_the_old_generation_keeps_the_replacement() -> None:
     assert not registry.is_open(old)
 
 
-def test_admitted_but_not_ready_generation_does_not_supersede() -> None:
-    sim = Sim(SyncerConfig(learners=2, total_steps=3), LAYOUT)
-    a, _ = sim.start(auto=False)
+def test_a_generation_admitted_but_not_ready_already_keeps_launches_off_the_old_one() -> None:
+    """Source: a new generation "supersedes the old one for future launches". The learner
+    redialed, so the old group is most likely dead: a PULL to it would hold the round up to its
+    quorum deadline while the new one attaches its data sockets."""
+    config = SyncerConfig(learners=2, total_steps=3, quorum=2, pipeline=1)
+    sim = Sim(config, LAYOUT)
+    a, b = sim.start(auto=False)
     old = a.key
-    pending = a.connect(ready=False)
+    first = sim.sends_to(old, PullReq)[0]
+    a.connect(ready=False)  # generation 2, attaching its data sockets
     registry = sim.coordinator.registry
-    assert registry.current_of(0) == old
+    assert registry.current_of(0) == old  # current until the new one is ready
+
+    sim.message(old, a.push_for(first))  # the old one still answers what captured it
+    sim.message(b.key, b.push_for(first))
+
+    (launched,) = sim.coordinator.rounds_in_flight
+    assert launched.step == 2 and launched.members == (b.key,)
+    assert [p.global_step for p in sim.sends_to(old, PullReq)] == [1]
+
+
+def test_a_newer_generation_that_never_became_ready_hands_launches_back() -> None:
+    sim = Sim(SyncerConfig(learners=1, total_steps=3, pipeline=1), LAYOUT)
+    (a,) = sim.start(auto=False)
+    old = a.key
+    first = sim.sends_to(old, PullReq)[0]
+    pending = a.connect(ready=False)
+    sim.message(old, a.push_for(first))
+    assert sim.merges[-1]["step"] == 1
+    assert not sim.coordinator.rounds_in_flight  # nobody to capture while it attaches
 
     sim.close(pending)  # it never became ready
 
-    assert registry.current_of(0) == old
+    assert sim.coordinator.registry.current_of(0) == old
+    assert [p.global_step for p in sim.sends_to(old, PullReq)] == [1, 2]
 
 
 def test_later_admitted_generation_wins_whatever_the_ready_order() -> None:

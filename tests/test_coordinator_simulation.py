@@ -611,6 +611,15 @@ class Oracle:
     def current_members(self) -> tuple[GroupKey, ...]:
         return tuple(sorted(self.current.values()))
 
+    def launch_members(self) -> tuple[GroupKey, ...]:
+        """spec § 9: a newer generation supersedes the current one for launches from its
+        admission on, before it is ready."""
+        return tuple(k for k in self.current_members() if not self.attaching_newer(k))
+
+    def attaching_newer(self, key: GroupKey) -> bool:
+        seq = self.groups[key].seq
+        return any(g.key.learner_id == key.learner_id and g.seq > seq for g in self.groups.values())
+
     def observe(self, learner_id: int, local_step: int, now: float) -> None:
         clock = self.clocks.get(learner_id)
         if clock is None:
@@ -632,7 +641,7 @@ class Oracle:
 
     def interval(self) -> float:
         floor = self.config.min_round_interval_ms / 1000.0
-        slowest = self.slowest(k.learner_id for k in self.current_members())
+        slowest = self.slowest(k.learner_id for k in self.launch_members())
         if slowest is None:
             return floor
         return max(floor, self.config.sync_interval_steps * slowest / self.F)
@@ -721,6 +730,8 @@ class Oracle:
                 self.install()
         check(ours, "the simulation sent a foreign HELLO after the session was fixed")
         check(key not in self.admitted, f"simulation reused {key}")
+        if key.learner_id in self.current:
+            self.pacing_changed = True  # superseded for launches: the slowest may be out
         self.admitted.add(key)
         self.groups[key] = OGroup(key, next(self.seq))
         self.expect_admit = (conn, key, hello.num_streams)
@@ -768,11 +779,18 @@ class Oracle:
     def on_closed(self, key: GroupKey) -> None:
         if key not in self.groups:
             return
+        current = self.current.get(key.learner_id)
+        held_back = current is not None and current != key and self.attaching_newer(current)
         if self.remove(key):
             if self.final is not None:
                 self.bump("closed_after_cut")
             self.finish_if_delivered()
             self.pacing_changed = True  # the slowest learner may have left
+        elif held_back and current is not None and not self.attaching_newer(current):
+            # the newer generation never became ready: launches capture the current again
+            self.bump("superseding_closed_unready")
+            self.pacing_changed = True
+            self.advance()
 
     def on_message(self, key: GroupKey, message: AnyMessage) -> None:
         if key not in self.groups:
@@ -982,7 +1000,7 @@ class Oracle:
         self.retry(target, waited=False)
 
     def retry(self, target: ORound, *, waited: bool) -> None:
-        members = self.current_members()
+        members = self.launch_members()
         if not members or (len(members) < target.quorum and not waited):
             self.exp_timers[f"retry:{target.step}"] = self.now + 1.0
             self.bump("retry_waited")
@@ -1403,7 +1421,7 @@ class Oracle:
             return "no step left"
         if len(self.rounds) >= self.depth:
             return "pipeline full"
-        if not self.current:
+        if not self.launch_members():
             return "nobody connected"
         if self.last_launch is not None:
             due = self.last_launch + self.interval()
@@ -1426,7 +1444,9 @@ class Oracle:
             check(blocker in (None, "ambiguous"), f"round {step} launched while {blocker}")
             check(step == self.next_step, f"launched round {step}, expected {self.next_step}")
             check(fragment == (step - 1) % self.F, f"round {step} targets fragment {fragment}")
-            members = self.current_members()
+            members = self.launch_members()
+            if len(members) < len(self.current):
+                self.bump("launched_past_attaching")
             target = ORound(
                 step=step,
                 fragment=fragment,
@@ -2838,6 +2858,7 @@ def test_the_schedules_reach_the_paths_they_are_meant_to_check() -> None:
         "grace_opened",
         "init_ignored",
         "launched_on_recheck",
+        "launched_past_attaching",
         "reack_awaited",
         "rejected:PUSH_DUPLICATE",
         "rejected:PUSH_FUTURE_BASE",

@@ -302,15 +302,16 @@ class Coordinator:
         if self._admission.session is None and not self._open_session(conn, hello, out):
             return
         assert self._limits is not None
+        current = self._registry.current_of(key.learner_id)
         self._registry.admit(key, conn, hello.num_streams)
         out.append(AdmitGroup(conn, key, hello.num_streams, self._limits))
-        out.append(
-            Log(
-                "info",
-                "group admitted",
-                {"conn": conn, **_member_fields(key), "num_streams": hello.num_streams},
-            )
-        )
+        fields: dict[str, Any] = {"conn": conn, **_member_fields(key)}
+        fields["num_streams"] = hello.num_streams
+        if current is not None:
+            # Superseded for future launches from now on, though the new one is not ready.
+            fields["supersedes_generation"] = current.generation
+            self._pacing_changed = True  # the slowest learner may be left out of launches
+        out.append(Log("info", "group admitted", fields))
         for old in self._registry.surplus_of(key.learner_id):
             # Without ERROR: it may be a live learner's, which redials after a close.
             self._registry.remove(old)
@@ -401,7 +402,16 @@ class Coordinator:
     def _on_group_closed(self, key: GroupKey, reason: str, now: float, out: list[Action]) -> None:
         if self._registry.get(key) is None:
             return
+        current = self._registry.current_of(key.learner_id)
+        held_back = current is not None and self._registry.attaching_newer(current)
         was_current = self._registry.remove(key)
+        # A newer generation closed before it was ready: launches capture the current one again.
+        resumed = (
+            held_back
+            and not was_current
+            and current is not None
+            and not self._registry.attaching_newer(current)
+        )
         out.append(
             Log(
                 "info",
@@ -412,6 +422,9 @@ class Coordinator:
         if was_current:
             self._finish_if_delivered(out)  # its missing re-ACK no longer holds the cut up
             self._pacing_changed = True  # the slowest learner may have left
+        elif resumed:
+            self._pacing_changed = True
+            self._advance(now, out)
 
     # -- messages --------------------------------------------------------------------------
     def _on_message(
@@ -847,7 +860,7 @@ class Coordinator:
         model = self._require_model()
         depth = pipeline_depth(self.config.pipeline, model.num_fragments)
         while self._next_step <= self.config.total_steps and len(self._rounds) < depth:
-            members = self._registry.current_members()
+            members = self._registry.launch_members()
             if not members:
                 return  # a GroupReady will bring us back
             if self._last_launch_at is not None:
@@ -940,7 +953,7 @@ class Coordinator:
         second to come back, then runs with those there, K shrinking as at a launch. A
         learner lost for good therefore never stalls the run; with nobody connected it waits.
         """
-        members = self._registry.current_members()
+        members = self._registry.launch_members()
         if not members or (len(members) < target.quorum and not waited):
             out.append(SetTimer(_round_timer("retry", target.step), now + RETRY_DELAY_S))
             return

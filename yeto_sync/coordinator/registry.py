@@ -1,10 +1,12 @@
 """Connection groups and generations.
 
 Each logical learner has at most one *current* generation: the most recently admitted one that
-is ready. A newer ready generation supersedes the old one for future launches, but the old group
-stays registered while its sockets live, so it can still finish an attempt that captured it.
-Closing a superseded group never touches the current one. Only ready groups count as
-connected learners.
+is ready. A newer generation supersedes the old one for future launches from its admission on:
+while it attaches its data sockets, launches capture neither (the learner redialed, so the old
+one is most likely dead, and a PULL to it could hold a round up to its quorum deadline); it
+becomes current once ready. The old group stays registered while its sockets live, so it can
+still finish an attempt that captured it. Closing a superseded group never touches the current
+one. Only ready groups count as connected learners.
 
 A learner id keeps at most :data:`MAX_OPEN_GENERATIONS` groups open: each holds up to 64
 partial messages, so unlimited generations would be unlimited memory for one learner id.
@@ -40,6 +42,8 @@ class Registry:
         self._current: dict[int, GroupKey] = {}
         self._admitted: set[GroupKey] = set()
         self._sequence = 0
+        #: Per learner id: the admission sequence of its newest open group.
+        self._newest: dict[int, int] = {}
 
     # -- queries ---------------------------------------------------------------------------
     def was_admitted(self, key: GroupKey) -> bool:
@@ -62,6 +66,16 @@ class Registry:
         """The current ready generation of every connected learner, ascending."""
         return tuple(sorted(self._current.values()))
 
+    def launch_members(self) -> tuple[GroupKey, ...]:
+        """The generations a launch captures: the current ones, less those of learners with
+        a newer generation admitted and still attaching (it already supersedes them)."""
+        return tuple(key for key in self.current_members() if not self.attaching_newer(key))
+
+    def attaching_newer(self, key: GroupKey) -> bool:
+        """A generation admitted after ``key`` is open for its learner (not ready yet, or
+        ``key`` would not be current)."""
+        return self._groups[key].sequence < self._newest[key.learner_id]
+
     def surplus_of(self, learner_id: int) -> list[GroupKey]:
         """The oldest-admitted groups of ``learner_id`` beyond :data:`MAX_OPEN_GENERATIONS`,
         never its current one."""
@@ -82,6 +96,7 @@ class Registry:
         self._sequence += 1
         self._groups[key] = Group(key, conn, num_streams, self._sequence)
         self._admitted.add(key)
+        self._newest[key.learner_id] = self._sequence
 
     def mark_ready(self, key: GroupKey) -> GroupKey | None:
         """Mark ``key`` ready; it becomes current unless a later-admitted generation already is.
@@ -98,8 +113,17 @@ class Registry:
 
     def remove(self, key: GroupKey) -> bool:
         """Forget a closed group; return True if it was its learner's current generation."""
-        if self._groups.pop(key, None) is None:
+        removed = self._groups.pop(key, None)
+        if removed is None:
             return False
+        if self._newest[key.learner_id] == removed.sequence:
+            others = [
+                g.sequence for g in self._groups.values() if g.key.learner_id == key.learner_id
+            ]
+            if others:
+                self._newest[key.learner_id] = max(others)
+            else:
+                del self._newest[key.learner_id]
         if self._current.get(key.learner_id) == key:
             del self._current[key.learner_id]
             return True
