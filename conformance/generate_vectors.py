@@ -65,6 +65,7 @@ SLICE_SIZE = 4 * MIB
 CHUNK_ENVELOPE = 24
 ERROR_LIMIT = 65536
 MAX_PARTIALS = 64
+MSG_ID_WINDOW = 1 << 16  # spec/striping.md § 4.2
 Q4_BLOCK_VALUES, Q4_BLOCK_BYTES = 256, 132
 U16_MAX, U32_MAX, U64_MAX = (1 << 16) - 1, (1 << 32) - 1, (1 << 64) - 1
 #: The largest numel sum a HELLO fragment may declare: 4·sum plus the largest header still fits.
@@ -2668,6 +2669,16 @@ def chunk_sequences_file() -> Json:
             "Interleaved",
             decoded=[m[1] for m in many_inits],
         ),
+        sequence(
+            "msg_id 1 after msg_id 65536: 65,535 below the highest id, within the window: new",
+            [
+                chunk(MSG_ID_WINDOW, 25, 0, init_inner)[0].hex(),
+                chunk(1, 25, 0, init_inner)[0].hex(),
+            ],
+            "Boundary",
+            "OutOfOrder",
+            decoded=[init_json, init_json],
+        ),
     ]
     first_half = chunk(0, 73, 0, push_inner[:40])[0].hex()
 
@@ -2790,6 +2801,17 @@ def chunk_sequences_file() -> Json:
         sequence(
             "a CHUNK of a message that already completed (msg_ids are never reused)",
             [whole_init, chunk(0, 25, 0, init_inner[:10])[0].hex()],
+            code="CHUNK_OVERLAP",
+            completed_before_error=[init_json],
+        ),
+        sequence(
+            "msg_id 0 after msg_id 65536: 65,536 below the highest id counts as completed",
+            [
+                chunk(MSG_ID_WINDOW, 25, 0, init_inner)[0].hex(),
+                chunk(0, 25, 0, init_inner[:10])[0].hex(),
+            ],
+            "Boundary",
+            "OutOfOrder",
             code="CHUNK_OVERLAP",
             completed_before_error=[init_json],
         ),

@@ -37,7 +37,7 @@ from yeto_proto import (
     encode,
     encode_bytes,
 )
-from yeto_proto.constants import MAX_CHUNK_RANGES
+from yeto_proto.constants import MAX_CHUNK_RANGES, MSG_ID_WINDOW
 from yeto_proto.frames import header
 
 if TYPE_CHECKING:
@@ -454,6 +454,48 @@ def test_ids_completed_out_of_order_are_remembered() -> None:
             reassembler.add(replay)
         assert info.value.code is ErrorCode.CHUNK_OVERLAP
     assert [reassembler.add(c) for c in as_chunks[2]][-1] == BCAST
+
+
+def _whole(msg_id: int, message: AnyMessage = BCAST) -> Chunk:
+    inner = encode_bytes(message)
+    return Chunk(msg_id, len(inner), 0, inner)
+
+
+def test_what_a_group_remembers_of_completed_ids_stays_bounded_when_an_id_is_skipped() -> None:
+    # Remembering every completed id above the first one missing (a peer that starts at 1)
+    # grew by an entry per message for as long as the group lived.
+    reassembler = Reassembler(Role.LEARNER, LIMITS)
+    count = 2 * MSG_ID_WINDOW + 10
+    for msg_id in range(1, count + 1):
+        assert reassembler.add(_whole(msg_id)) == BCAST
+    remembered = reassembler._completed._bits  # noqa: SLF001 - the state this bounds
+    assert remembered.bit_length() <= 2 * MSG_ID_WINDOW
+    for replay in (count, count - MSG_ID_WINDOW + 1, 0, 5):  # recent, window's edge, far below
+        with pytest.raises(RemoteProtocolError) as info:
+            reassembler.add(_whole(replay))
+        assert info.value.code is ErrorCode.CHUNK_OVERLAP
+
+
+def test_an_id_within_the_window_that_never_came_is_new() -> None:
+    reassembler = Reassembler(Role.LEARNER, LIMITS)
+    top = MSG_ID_WINDOW
+    assert reassembler.add(_whole(top)) == BCAST
+    assert reassembler.add(_whole(top - MSG_ID_WINDOW + 1)) == BCAST  # 65,535 below: new
+    with pytest.raises(RemoteProtocolError) as info:
+        reassembler.add(_whole(top - MSG_ID_WINDOW))  # 65,536 below: counts as completed
+    assert info.value.code is ErrorCode.CHUNK_OVERLAP
+
+
+def test_a_partial_message_far_below_the_window_still_completes() -> None:
+    first, *rest = slices(BCAST, 3)  # msg_id 0
+    reassembler = Reassembler(Role.LEARNER, LIMITS)
+    assert reassembler.add(first) is None
+    for msg_id in range(1, MSG_ID_WINDOW + 10):
+        assert reassembler.add(_whole(msg_id)) == BCAST
+    assert [reassembler.add(c) for c in rest][-1] == BCAST
+    with pytest.raises(RemoteProtocolError) as info:
+        reassembler.add(first)
+    assert info.value.code is ErrorCode.CHUNK_OVERLAP
 
 
 # -- CHUNK data placed by the decoder ------------------------------------------------------------

@@ -20,6 +20,7 @@ from .constants import (
     HEADER_SIZE,
     MAX_CHUNK_RANGES,
     MAX_PARTIAL_MESSAGES,
+    MSG_ID_WINDOW,
     STRIPED_TYPES,
     FrameType,
     Role,
@@ -161,6 +162,47 @@ class _Partial:
         return self.spans == [(0, self.total_len)]
 
 
+class CompletedIds:
+    """Which message ids of one group have completed, in a fixed 8 KiB.
+
+    Ids count up from 0 per generation and are never reused. Within :data:`MSG_ID_WINDOW` of
+    the highest id started so far each id has a bit (at most twice that many are kept); every
+    id further below counts as completed. Remembering every completed id instead let a peer
+    that skips one id (or starts at 1) make the receiver keep a record of each message it
+    sent, for as long as the group lived.
+    """
+
+    def __init__(self) -> None:
+        self._highest = -1
+        #: Bit k: id ``_highest - k`` completed.
+        self._bits = 0
+
+    def __contains__(self, msg_id: int) -> bool:
+        below = self._highest - msg_id
+        if below < 0:
+            return False
+        return below >= MSG_ID_WINDOW or bool(self._bits >> below & 1)
+
+    def started(self, msg_id: int) -> None:
+        """A message's first CHUNK was admitted: the window moves up to its id."""
+        step = msg_id - self._highest
+        if step <= 0:
+            return
+        self._bits = self._bits << step if step < MSG_ID_WINDOW else 0
+        if self._bits.bit_length() > 2 * MSG_ID_WINDOW:  # bits past the window mean nothing
+            self._bits &= _WINDOW_MASK
+        self._highest = msg_id
+
+    def add(self, msg_id: int) -> None:
+        """``msg_id`` (started, see :meth:`started`) completed."""
+        below = self._highest - msg_id
+        if 0 <= below < MSG_ID_WINDOW:
+            self._bits |= 1 << below
+
+
+_WINDOW_MASK = (1 << MSG_ID_WINDOW) - 1
+
+
 class Reassembler:
     """Reassembles the CHUNKs one connection group receives; drop it with the group."""
 
@@ -181,10 +223,8 @@ class Reassembler:
         #: whose every byte arrived is complete even before :meth:`add` hands it over (a
         #: decoder may reserve a whole read's worth of small messages first).
         self._incomplete = 0
-        # msg_ids count up from 0 per generation: every id below the floor, and those in the
-        # set, are complete, so a late duplicate of a finished message is still an overlap.
-        self._done_floor = 0
-        self._done_above_floor: set[int] = set()
+        # A late duplicate of a finished message is still an overlap.
+        self._completed = CompletedIds()
 
     @property
     def pending(self) -> int:
@@ -193,15 +233,6 @@ class Reassembler:
     def clear(self) -> None:
         self._partials.clear()
         self._incomplete = 0
-
-    def _is_done(self, msg_id: int) -> bool:
-        return msg_id < self._done_floor or msg_id in self._done_above_floor
-
-    def _mark_done(self, msg_id: int) -> None:
-        self._done_above_floor.add(msg_id)
-        while self._done_floor in self._done_above_floor:
-            self._done_above_floor.remove(self._done_floor)
-            self._done_floor += 1
 
     def add(self, chunk: Chunk) -> AnyMessage | None:
         """Take one CHUNK; return the decoded inner message once it is complete.
@@ -227,7 +258,7 @@ class Reassembler:
         if partial.filled < partial.total_len:
             return None
         del self._partials[chunk.msg_id]
-        self._mark_done(chunk.msg_id)
+        self._completed.add(chunk.msg_id)
         return decode_inner_frame(partial.buffer, self.receiver, self.limits)
 
     def chunk_target(self, msg_id: int, total_len: int, offset: int, size: int) -> memoryview:
@@ -252,7 +283,10 @@ class Reassembler:
                 f"message {msg_id}: {offset}+{size} > {total_len}",
             )
         partial = self._partials.get(msg_id)
-        if self._is_done(msg_id) or (partial is not None and partial.complete):
+        # A partial far below the window's top is still a partial: only new ids count as done.
+        if (partial is None and msg_id in self._completed) or (
+            partial is not None and partial.complete
+        ):
             raise RemoteProtocolError(
                 ErrorCode.CHUNK_OVERLAP, f"message {msg_id} was already complete"
             )
@@ -283,6 +317,7 @@ class Reassembler:
                 ) from None
             self._partials[msg_id] = partial
             self._incomplete += 1
+            self._completed.started(msg_id)
         elif total_len != partial.total_len:
             raise RemoteProtocolError(
                 ErrorCode.CHUNK_TOTAL_CHANGED,

@@ -19,6 +19,10 @@ ERROR_TEXT_LIMIT = 65536
 #: would happily promise absurd sizes; claims above this (256 TiB) fail before any allocation.
 ALLOCATION_CEILING = 1 << 48
 MAX_PARTIAL_MESSAGES = 64
+#: A first CHUNK whose msg_id is this far or further below the highest msg_id a first CHUNK of
+#: the group named counts as naming a completed message (spec/striping.md § 4.2): a receiver
+#: remembers which ids completed within this window only.
+MSG_ID_WINDOW = 1 << 16
 #: Separate received byte ranges one partial message may have at once (at least; see
 #: spec/striping.md § 4 rule 9): bounds a receiver's bookkeeping against tiny-CHUNK slicing.
 MAX_CHUNK_RANGES = 4096
