@@ -102,6 +102,8 @@ def test_constructors_enforce_protocol_rules() -> None:
         (lambda: ErrorMessage("\ud800"), ErrorCode.INVALID_UTF8),
         (lambda: WireFragment(MergeMode.AVG, ()), ErrorCode.EMPTY_FRAGMENT),
         (lambda: WireFragment(MergeMode.AVG, (4, 0)), ErrorCode.ZERO_NUMEL),
+        (lambda: WireFragment(MergeMode.AVG, (U64 + 1,)), ErrorCode.SIZE_OVERFLOW),
+        (lambda: WireFragment(MergeMode.AVG, (U64, 1)), ErrorCode.SIZE_OVERFLOW),
         (lambda: WireFragment(MergeMode.ISO, (6,), ((2, 2),)), ErrorCode.BAD_ISO_SHAPE),
         (lambda: WireFragment(MergeMode.ISO, (6,)), ErrorCode.BAD_ISO_SHAPE),
         (lambda: WireFragment(MergeMode.RDA, (6,), ((2, 3),)), ErrorCode.BAD_ISO_SHAPE),
@@ -111,6 +113,34 @@ def test_constructors_enforce_protocol_rules() -> None:
         with pytest.raises(LocalProtocolError) as caught:
             build()
         assert caught.value.code is code, code
+
+
+def test_encode_never_builds_a_frame_the_receiver_refuses() -> None:
+    """Each refusal is a LocalProtocolError with the code the receiving decoder would give,
+    never construct's own exception and never bytes on the wire."""
+    huge = WireLayout((WireFragment(MergeMode.AVG, (1 << 62,)),))  # over HELLO's numel bound
+    # A body 20 bytes under 16 MiB: its 32-byte MAC takes it over the first-frame limit.
+    count = (16 * 2**20 - 20 - 19 - 66) // 13
+    many = WireLayout((WireFragment(MergeMode.AVG, (1,)),) * count)
+    near_limit = Hello(0, 1, WireDtype.F32, many, DIGEST, DIGEST, 0)
+    assert len(encode_bytes(near_limit)) - 13 == 16 * 2**20 - 20
+    cases: list[tuple[Callable[[], object], ErrorCode]] = [
+        (
+            lambda: encode(Hello(0, 1, WireDtype.F32, huge, DIGEST, DIGEST, 0)),
+            ErrorCode.SIZE_OVERFLOW,
+        ),
+        (lambda: encode(near_limit, hello_key=b"key"), ErrorCode.FRAME_TOO_LARGE),
+        (lambda: encode(Chunk(0, 100, 0, memoryview(b""))), ErrorCode.CHUNK_EMPTY),
+        (
+            lambda: encode(Chunk(0, 13 + 2**23, 0, memoryview(bytes(2**22 + 1)))),
+            ErrorCode.FRAME_TOO_LARGE,
+        ),
+    ]
+    for build, code in cases:
+        with pytest.raises(LocalProtocolError) as caught:
+            build()
+        assert caught.value.code is code, code
+    assert len(encode_bytes(Chunk(0, 13 + 2**23, 0, memoryview(bytes(2**22))))) == 13 + 24 + 2**22
 
 
 def test_limits_at_the_edge_are_accepted() -> None:

@@ -12,7 +12,13 @@ from typing import Any
 
 from construct import ConstructError, StreamError, TerminatedError
 
-from .constants import FRAME_MAGIC, PROTOCOL_VERSION, FrameType
+from .constants import (
+    CHUNK_SLICE_SIZE,
+    FIRST_FRAME_LIMIT,
+    FRAME_MAGIC,
+    PROTOCOL_VERSION,
+    FrameType,
+)
 from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from .hello_reader import HelloReading
 from .identity import sign_hello, verify_hello
@@ -142,13 +148,25 @@ def encode(message: AnyMessage, *, hello_key: bytes | None = None) -> Buffers:
     frame_type = message.TYPE
     fields = _PREFIX_FIELDS.get(frame_type)
     if fields is None:
-        payload = _small_payload(message, hello_key)
+        try:
+            payload = _small_payload(message, hello_key)
+        except CodedConstructError as exc:  # a message its schema cannot carry
+            raise LocalProtocolError(exc.code, f"{frame_type.name}: {exc.args[0]}") from None
+        if frame_type is FrameType.HELLO and len(payload) > FIRST_FRAME_LIMIT:
+            raise LocalProtocolError(
+                ErrorCode.FRAME_TOO_LARGE,
+                f"HELLO: {len(payload)} bytes (its MAC included) > {FIRST_FRAME_LIMIT}",
+            )
         return [header(frame_type, len(payload)) + payload]
     prefix = PREFIX_STRUCTS[frame_type]
     values = [getattr(message, name) for name in fields]
     if not isinstance(message, _TENSOR_CLASSES):
         return [header(frame_type, prefix.size) + prefix.pack(*values)]
     data = message.data
+    if frame_type is FrameType.CHUNK and not 0 < len(data) <= CHUNK_SLICE_SIZE:
+        # A receiver refuses it (spec/wire.md § 2): never put one on the wire.
+        code = ErrorCode.CHUNK_EMPTY if not len(data) else ErrorCode.FRAME_TOO_LARGE
+        raise LocalProtocolError(code, f"CHUNK: {len(data)} data bytes, not 1..{CHUNK_SLICE_SIZE}")
     head = header(frame_type, prefix.size + len(data)) + prefix.pack(*values)
     return [head, data] if len(data) else [head]
 

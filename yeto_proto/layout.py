@@ -37,9 +37,9 @@ class WireFragment:
             object.__setattr__(self, "merge_mode", MergeMode(self.merge_mode))
         if not self.numels:
             raise LocalProtocolError(ErrorCode.EMPTY_FRAGMENT, "a fragment needs a tensor")
-        if min(self.numels) <= 0 or max(self.numels) > _U64_MAX:
+        if min(self.numels) <= 0:
             raise LocalProtocolError(ErrorCode.ZERO_NUMEL, "every numel must be in 1..2^64-1")
-        if sum(self.numels) > _U64_MAX:
+        if max(self.numels) > _U64_MAX or sum(self.numels) > _U64_MAX:
             raise LocalProtocolError(ErrorCode.SIZE_OVERFLOW, "fragment numel overflows u64")
         if self.merge_mode is MergeMode.ISO:
             if len(self.matrix_shapes) != len(self.numels):
