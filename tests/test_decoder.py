@@ -697,9 +697,10 @@ def test_a_syncer_socket_reads_no_further_than_it_may_hold_before_its_limits() -
         piece = following[held : held + len(into)]
         decoder.feed(piece)
         held += len(piece)
-    assert held == HELD_BYTES_CAP
+    assert held == HELD_BYTES_CAP == decoder.held_bytes
     decoder.set_limits(limits())  # the held bytes decode now, and reads go on as usual
     assert len(decoder.frames()) == HELD_BYTES_CAP // len(beat)
+    assert decoder.held_bytes == 0
     assert len(decoder.next_read(scratch)[0]) > 0
 
 

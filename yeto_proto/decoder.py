@@ -269,6 +269,13 @@ class FrameDecoder:
 
     # -- input -----------------------------------------------------------------------------
     def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Take received bytes (empty: the peer's EOF).
+
+        A syncer's decoder holds what it is fed after the first frame, unparsed, until
+        :meth:`set_limits`: all of it, since ``feed`` cannot push back. A caller that reads
+        more than it must there should read through :meth:`next_read`, which stops at
+        :data:`HELD_BYTES_CAP` held bytes (``held_bytes`` says how many are held).
+        """
         if self._eof:
             raise LocalProtocolError(ErrorCode.CONNECTION_CLOSED_MID_FRAME, "fed after EOF")
         view = as_byte_view(data)
@@ -281,6 +288,11 @@ class FrameDecoder:
             self._stash += view
             return
         self._consume(view)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes fed after a syncer's first frame and held, unparsed, until set_limits."""
+        return 0 if self._stash is None else len(self._stash)
 
     def _consume(self, view: memoryview) -> None:
         pos, end = 0, len(view)
