@@ -3,6 +3,7 @@ timers fire on the (fake) clock, ``Exit`` and stop requests shut the transport d
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
@@ -320,6 +321,49 @@ def test_a_fifo_tape_is_written_without_waiting_for_a_second_writer(tmp_path: Pa
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_tape_reader_that_stops_reading_holds_the_run_but_not_a_stop_signal(
+    tmp_path: Path,
+) -> None:
+    """A pipe whose reader stops reading: the write used to block the event loop itself, and
+    not even SIGTERM ended the daemon. The run now waits on the loop, where a stop gets in,
+    and the reader gets whole lines only."""
+    tape = tmp_path / "tape.fifo"
+    os.mkfifo(tape)
+    reader = os.open(tape, os.O_RDONLY | os.O_NONBLOCK)  # opened, and then never read
+    record = {"step": 1, "pad": "x" * 1000}
+    line = json.dumps(record, separators=(",", ":")).encode() + b"\n"
+    records = [AppendTape(record) for _ in range(2 * (1 << 20) // len(line))]  # over any pipe
+
+    async def scenario() -> Exit:
+        clock = FakeClock()
+        driver = Driver(
+            Scripted(records),
+            RecordingTransport(),
+            clock,
+            outputs=Outputs(event_tape_path=tape),
+            log=KeyValueLog(io.StringIO()),
+        )
+        return await run_stopped_after(driver, 0.5, OneEvent(clock, TimerFired("x")))
+
+    try:
+        outcome: list[Exit] = []
+        run_within(10, lambda: _keep(outcome, scenario()))
+        assert outcome == [Exit(143, "stopped by SIGTERM")]
+        written = b""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(reader, 1 << 16):
+                written += chunk
+    finally:
+        os.close(reader)
+    assert 0 < len(written) < len(records) * len(line)
+    assert written == line * (len(written) // len(line))  # whole lines only
+
+
+async def _keep(outcome: list[Exit], running: Awaitable[Exit]) -> None:
+    outcome.append(await running)
+
+
 def test_a_fifo_tape_without_a_reader_fails_the_run_at_once(tmp_path: Path) -> None:
     tape = tmp_path / "tape.fifo"
     os.mkfifo(tape)

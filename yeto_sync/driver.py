@@ -172,10 +172,17 @@ def _append_descriptor(path: Path) -> int:
     """A descriptor appending to ``path``, opened without waiting.
 
     Opening a FIFO to write waits for a reader, on the event loop, where not even SIGTERM gets
-    through: without one this fails at once (ENXIO, "No such device or address").
+    through: without one this fails at once (ENXIO, "No such device or address"). Only a
+    regular file is switched to blocking writes: a pipe's reader may stop reading, and a write
+    that blocked would hold the event loop, stop signals included (see ``_write_line``).
     """
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666)
-    os.set_blocking(fd, True)
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.set_blocking(fd, True)
+    except OSError:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -473,7 +480,7 @@ class Driver:
             self._tape = open(_append_descriptor(path), "ab", buffering=0)  # noqa: SIM115
             if torn:  # a crash cut the last line: later lines must still start on their own
                 self._log("warning", "event tape ends in a cut line", {"path": str(path)})
-                self._write_line(b"\n")
+                await self._write_line(b"\n")
         except OSError as exc:
             await self._finish(self._fail(f"event tape {path} cannot be opened: {exc}"))
             return False
@@ -485,25 +492,34 @@ class Driver:
         assert self._tape is not None
         line = json.dumps(record, default=_json_default, separators=(",", ":"), allow_nan=False)
         try:
-            self._write_line(line.encode("utf-8") + b"\n")
+            await self._write_line(line.encode("utf-8") + b"\n")
         except OSError as exc:
             path = self.outputs.event_tape_path
             reason = exc.strerror or str(exc)
             await self._finish(self._fail(f"event tape write failed: {reason} (file {path})"))
 
-    def _write_line(self, data: bytes) -> None:
+    async def _write_line(self, data: bytes) -> None:
         """Append one whole line; on a failure (a full disk) cut off what part of it was written,
-        so the tape keeps only whole lines and a resumed run appends after the last one."""
+        so the tape keeps only whole lines and a resumed run appends after the last one.
+
+        A pipe whose reader is slow or stopped reading makes the run wait here, on the event
+        loop, where a stop signal still ends it (a line of up to ``PIPE_BUF`` bytes, 4 KiB on
+        Linux, goes into a pipe whole or not at all)."""
         assert self._tape is not None
         fd = self._tape.fileno()
-        end = os.fstat(fd).st_size
+        status = os.fstat(fd)
+        regular = stat.S_ISREG(status.st_mode)
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view) :]
+                try:
+                    view = view[os.write(fd, view) :]
+                except BlockingIOError:
+                    await anyio.wait_writable(fd)
         except OSError:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, end)
+            if regular:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, status.st_size)
             raise
 
     async def _write_checkpoint(self, state: object, final: bool, recovery: bool) -> None:
