@@ -10,6 +10,7 @@ import stat
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,9 @@ import numpy as np
 import pytest
 from signal_hooks import AFTER_CALL, ON_IMPORT, command
 
+from yeto_learn import checkpoint_cli
 from yeto_learn.cli import main
+from yeto_learn.process_control import Stopped
 from yeto_proto.checkpoint import (
     Checkpoint,
     CheckpointFormat,
@@ -474,6 +477,63 @@ def test_export_into_a_missing_directory_is_ckpt_io(
         capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
     )
     assert code == 2 and "CKPT_IO" in err and str(out) in err and err.count("\n") == 1
+
+
+def test_a_stop_that_torchs_writer_turns_into_its_own_error_is_reported_as_the_stop(
+    capsys: pytest.CaptureFixture[str],
+    files: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl+C during a .pt export: torch caught the Stopped raised inside its write callback
+    and failed with its own error, which came out as a false CKPT_IO line and exit 1."""
+
+    def torch_swallowing_the_stop(exported: object, staging: Path) -> None:
+        staging.write_bytes(b"the first bytes")
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises Stopped here
+        except Stopped:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos") from None
+
+    monkeypatch.setattr(checkpoint_cli, "_save_torch", torch_swallowing_the_stop)
+    out = tmp_path / "model.pt"
+    code, _, err = run(
+        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
+    )
+    assert (code, err) == (
+        128 + signal.SIGTERM,
+        f"yeto checkpoint export: stopped by SIGTERM; {out} was not written\n",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "layout.json",
+        "v1.bin",
+        "v2.bin",
+        "v3.bin",
+    ]
+
+
+@pytest.mark.parametrize("linked", [False, True], ids=["same-path", "hard-link"])
+def test_an_export_onto_the_checkpoint_it_reads_is_refused(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path, linked: bool
+) -> None:
+    # A checkpoint named state.pt exported onto itself was replaced by the export, exit 0.
+    checkpoint = tmp_path / "state.pt"
+    checkpoint.write_bytes(files["v3"].read_bytes())
+    out = tmp_path / "export.pt"
+    if linked:
+        os.link(checkpoint, out)
+    else:
+        out = checkpoint
+    code, _, err = run(
+        capsys, "checkpoint", "export", checkpoint, "--layout", files["layout"], "--out", out
+    )
+    assert (code, err) == (
+        2,
+        f"yeto checkpoint export: error: --out {out} is the checkpoint being exported; "
+        "nothing was written\n",
+    )
+    assert checkpoint.read_bytes() == files["v3"].read_bytes()
 
 
 def _limit_file_size() -> None:

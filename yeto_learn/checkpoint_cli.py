@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 #: An output that could not be written (a full disk); bad input is 2, as everywhere.
 EXIT_WRITE_FAILED = 1
+EXIT_BAD_INPUT = 2
 ISO_BACKEND_NAMES = {iso_backend_name(backend): backend for backend in IsoBackend}
 SAFETENSORS_SUFFIXES = frozenset({".safetensors"})
 TORCH_SUFFIXES = frozenset({".pt", ".pth"})
@@ -254,6 +255,13 @@ def run_export(args: argparse.Namespace) -> int:
         return 128 + stop.signum
 
 
+def _same_file(one: Path, other: Path) -> bool:
+    try:
+        return one.samefile(other)
+    except OSError:  # either does not exist (yet)
+        return False
+
+
 def _file_identity(path: Path) -> tuple[int, int] | None:
     """Device and inode of ``path``, or None if there is no such file."""
     try:
@@ -280,6 +288,15 @@ def _export(args: argparse.Namespace, out: Path, check: Callable[[], None]) -> i
         ) from None
     if not out.parent.is_dir():
         raise CheckpointError(ErrorCode.CKPT_IO, f"no such directory (file {out})", section="write")
+    for name, given in (("checkpoint", args.path), ("layout", args.layout)):
+        if _same_file(out, Path(given)):
+            # Replaced by the export, the input would be gone for good.
+            print(
+                f"{args.command_prog}: error: --out {out} is the {name} being exported; "
+                "nothing was written",
+                file=sys.stderr,
+            )
+            return EXIT_BAD_INPUT
     save = _save_safetensors if out.suffix.lower() in SAFETENSORS_SUFFIXES else _save_torch
     try:
         # An OSError (a full disk, say) becomes CKPT_IO naming the file; no temp file is left.
@@ -287,10 +304,13 @@ def _export(args: argparse.Namespace, out: Path, check: Callable[[], None]) -> i
             try:
                 save(exported, staging)
             except RuntimeError as exc:  # torch's own failures
+                # A stop signal raised inside torch's writer comes back as torch's error.
+                check()
                 raise CheckpointError(
                     ErrorCode.CKPT_IO, f"{exc} (file {out})".replace("\n", " "), section="write"
                 ) from None
     except CheckpointError as exc:
+        check()  # the failure may be a stop signal's, raised inside a write
         # The input was fine: exit 1, not 2, so that a script can tell the two apart.
         print(f"{args.command_prog}: error: {exc}", file=sys.stderr)
         return EXIT_WRITE_FAILED
