@@ -718,3 +718,31 @@ def test_a_stop_signal_as_the_output_folder_is_made_stops_before_any_child(
         f"logs in {out}"
     ]
     assert sorted(p.name for p in out.iterdir()) == ["syncer"]
+
+
+def test_the_demo_learner_reports_a_stop_torch_turned_into_its_own_error_and_no_later_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """SIGTERM inside torch.save came back as torch's RuntimeError (a traceback, not the stop
+    line), and a second SIGTERM, or one during the interpreter's shutdown, raised again."""
+    from yeto_learn import demo_model
+
+    def torch_swallowing_the_stop(args: argparse.Namespace) -> int:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here
+        except BaseException:
+            os.kill(os.getpid(), signal.SIGTERM)  # a second one, while unwinding
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos") from None
+        return 0
+
+    monkeypatch.setattr(demo_model, "_run", torch_swallowing_the_stop)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        argv = ["--syncer", "127.0.0.1:1", "--learner-id", "1", "--num-learners", "2"]
+        code = demo_model.main([*argv, "--out", str(tmp_path)])
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # only exiting is left
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert code == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == "learner 1: stopped by SIGTERM; no artifact was written\n"

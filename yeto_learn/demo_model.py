@@ -178,18 +178,33 @@ class _Terminated(BaseException):
     """SIGTERM: unwinds like an error, so an artifact being written loses only its temp file."""
 
 
-def _raise_terminated(signum: int, frame: FrameType | None) -> None:
-    raise _Terminated
+class _Termination:
+    """The SIGTERM handler: the first signal raises :class:`_Terminated`, later ones are only
+    noted (a second one raised into the first one's unwinding, or into the interpreter's
+    shutdown, and printed a traceback)."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if not self.received:
+            self.received = True
+            raise _Terminated
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # `yeto launch` stops its learners with SIGTERM; the default action would kill the process
     # between a temp file's creation and its rename, leaving the temp file behind.
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    termination = _Termination()
+    signal.signal(signal.SIGTERM, termination)
     try:
         return _run(args)
-    except _Terminated:
+    except BaseException:
+        # Raised inside torch's file writer, _Terminated comes back as torch's RuntimeError:
+        # whatever ends the run once SIGTERM came is the stop.
+        if not termination.received:
+            raise
         artifact = args.out / STATE_FILE if args.out is not None else None
         kept = (
             f"its artifact {artifact} is whole"
@@ -198,6 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"learner {args.learner_id}: stopped by SIGTERM; {kept}", file=sys.stderr)
         return 128 + signal.SIGTERM
+    finally:
+        # What is left is exiting: a late SIGTERM (the launcher stopping its learners, or its
+        # parent-death signal) must not raise into the interpreter's shutdown.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _run(args: argparse.Namespace) -> int:
