@@ -7,6 +7,8 @@ the worker processes: nothing here mocks the pool.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.process
 import os
 import signal
 import subprocess
@@ -160,6 +162,28 @@ def test_workers_ignore_what_a_terminal_sends_its_whole_process_group(pool: IsoW
     out = pool.polar_flatten(np.array([3, 0, 0, 1], np.float32), 2, 2)
     np.testing.assert_allclose(out, [2, 0, 0, 2], rtol=1e-6)
     assert all(alive(pid) for pid in pool.worker_pids)
+
+
+def test_a_terminal_signal_while_a_worker_starts_up_is_ignored_by_it(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl+C while yeto-sync spawned its workers: a worker still in its interpreter's start-up
+    died of it with a KeyboardInterrupt traceback (SIGHUP killed it silently)."""
+    spawned = multiprocessing.get_context("spawn").Process
+    real_start = spawned.start
+
+    def start_then_interrupt(process: multiprocessing.process.BaseProcess) -> None:
+        real_start(process)
+        assert process.pid is not None
+        os.kill(process.pid, signal.SIGINT)  # long before the child imports anything
+        os.kill(process.pid, signal.SIGHUP)
+
+    monkeypatch.setattr(spawned, "start", start_then_interrupt)
+    with start_pool(workers=2, threads_per_worker=1) as started:
+        out = started.polar_flatten(np.array([3, 0, 0, 1], np.float32), 2, 2)
+        np.testing.assert_allclose(out, [2, 0, 0, 2], rtol=1e-6)
+        assert all(alive(pid) for pid in started.worker_pids)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("backend", ["scalar", "torch-svd"])

@@ -33,14 +33,16 @@ solve (exit non-zero, no checkpoint for it).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -53,7 +55,7 @@ from numpy.typing import NDArray
 from yeto_proto.constants import IsoBackend
 
 from ..merge import MergeError
-from .worker import FaultPlan, worker_main
+from .worker import TERMINAL_SIGNALS, FaultPlan, worker_main
 
 F32Array = NDArray[np.float32]
 IsoInput = NDArray[np.float32] | NDArray[np.float64]
@@ -322,6 +324,22 @@ class _Worker:
 
 
 # -- the pool --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _terminal_signals_blocked() -> Iterator[None]:
+    """Hold back :data:`TERMINAL_SIGNALS` while a worker is spawned: the child inherits the
+    blocked mask through exec, and a Ctrl+C during its interpreter's start-up waits until
+    :func:`worker_main` ignores it (it printed a worker's KeyboardInterrupt traceback, and the
+    worker died). The parent gets its own once the child is started."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 class IsoWorkerPool:
     """The ``torch-svd`` iso solver. Starts its workers in the constructor (bounded)."""
 
@@ -578,7 +596,8 @@ class IsoWorkerPool:
                 daemon=True,
             )
             try:
-                process.start()
+                with _terminal_signals_blocked():
+                    process.start()
             except BaseException:
                 parent_end.close()
                 raise

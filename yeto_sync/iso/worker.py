@@ -98,15 +98,23 @@ class FaultPlan:
         return served == self.after
 
 
+#: What a terminal sends the whole foreground process group; a worker ignores them.
+TERMINAL_SIGNALS = frozenset(
+    getattr(signal, name) for name in ("SIGINT", "SIGHUP") if hasattr(signal, name)
+)
+
+
 def worker_main(
     conn: Connection, index: int, threads: int, fault: FaultPlan | None, parent_pid: int
 ) -> None:
     """The child's entry point (a ``multiprocessing`` target)."""
     # Ctrl+C and a closed terminal reach the whole foreground process group: the syncer alone
     # decides when its workers stop (a worker dying first would fail the commit in progress).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "SIGHUP"):
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # The parent spawned this process with them blocked: one that came meanwhile is dropped.
+    for signum in TERMINAL_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, TERMINAL_SIGNALS)
     threading.Thread(
         target=_exit_when_orphaned, args=(parent_pid,), name="parent-watch", daemon=True
     ).start()
