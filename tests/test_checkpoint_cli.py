@@ -215,6 +215,35 @@ def test_a_closed_stdout_ends_quietly_with_141(files: dict[str, Path]) -> None:
     assert (done.returncode, done.stderr) == (141, "")
 
 
+def with_stdout_closed(*argv: str | Path) -> subprocess.CompletedProcess[str]:
+    """``yeto ARGV >&-``: the process starts with no descriptor 1 at all."""
+    yeto = [sys.executable, "-m", "yeto_learn.cli", *map(str, argv)]
+    return subprocess.run(
+        ["sh", "-c", 'exec "$@" >&-', "sh", *yeto],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"], ["--help"]], ids=["text", "json", "help"])
+def test_a_stdout_closed_from_the_start_is_a_reader_gone(
+    files: dict[str, Path], extra: list[str]
+) -> None:
+    """`yeto checkpoint inspect … >&-` ends as `… | head -0` does: quietly, exit 141."""
+    done = with_stdout_closed("checkpoint", "inspect", files["v3"], *extra)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_an_export_with_stdout_closed_writes_its_file_and_exits_141(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "model.safetensors"
+    done = with_stdout_closed(
+        "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
+    )
+    assert (done.returncode, done.stderr) == (141, "")
+    assert out.is_file()  # only the line saying so found no reader
+
+
 def to_a_full_disk(*argv: str | Path) -> subprocess.CompletedProcess[str]:
     """``yeto ARGV > /dev/full``: every write to stdout fails with ENOSPC, as on a full disk."""
     with open("/dev/full", "w") as full:

@@ -151,15 +151,18 @@ def test_a_signal_stops_every_child_and_says_what_was_kept(
     assert os.path.isdir(out / "syncer")
 
 
-def test_a_closed_stdout_does_not_stop_the_run(tmp_path: Path) -> None:
-    """`yeto launch … | head -1`: once stdout's reader is gone, status lines go to stderr."""
+@pytest.mark.parametrize("closed", ["reader", "stdout"])
+def test_a_closed_stdout_does_not_stop_the_run(tmp_path: Path, closed: str) -> None:
+    """`yeto launch … | head -1` (or `>&-`): once stdout's reader is gone, or stdout was closed
+    from the start, status lines go to stderr."""
     out = tmp_path / "run"
+    argv = [*LAUNCH, "--learners", "1", "--steps", "64", "--fragments", "2",
+            "--streams", "0", "--out", str(out)]  # fmt: skip
     read_end, write_end = os.pipe()
     os.close(read_end)  # the first status line already finds no reader
     try:
         result = subprocess.run(
-            [*LAUNCH, "--learners", "1", "--steps", "64", "--fragments", "2",
-             "--streams", "0", "--out", str(out)],
+            ["sh", "-c", 'exec "$@" >&-', "sh", *argv] if closed == "stdout" else argv,
             cwd=REPO, env=child_env(), stdout=write_end, stderr=subprocess.PIPE, text=True,
             timeout=90,
         )  # fmt: skip

@@ -13,7 +13,8 @@ silent death.
 Exit codes: 0 success; 2 bad input (usage, or a file that failed validation: one line on stderr
 naming the file, the section and the reason); 1 when an output cannot be written (a full disk),
 stdout included (``yeto checkpoint inspect: cannot write the output: No space left on device``);
-141 when the reader of stdout went away; 128 + n after signal n (SIGINT, SIGTERM, SIGHUP).
+141 when the reader of stdout went away (or stdout was closed from the start); 128 + n after
+signal n (SIGINT, SIGTERM, SIGHUP).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeAlias, cast
 
 from yeto_sync.stop_signals import Stopped, StopSignals, ignore_stop_signals, installed
 
-from .output import OutputFailed, flush_stdout, stdout_writes
+from .output import OutputFailed, flush_stdout, stand_in_for_closed_stdout, stdout_writes
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
@@ -156,6 +157,7 @@ def entry() -> NoReturn:
     command returned, later signals are ignored: its last line is out, the process only exits.
     """
     stops = StopSignals("yeto").install()
+    stand_in_for_closed_stdout()
     from .process_control import exit_process
 
     try:
