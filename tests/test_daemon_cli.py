@@ -373,17 +373,19 @@ def test_the_entry_module_imports_nothing_heavy() -> None:
     assert not loaded & {"numpy", "ml_dtypes", "anyio", "construct", "torch", "yeto_proto"}
 
 
-def test_a_closed_stdout_loses_only_the_ready_line() -> None:
-    """`yeto-sync … | true`: the daemon logs the lost ready line and serves on."""
+@pytest.mark.parametrize("closed", ["reader", "stdout"])
+def test_a_closed_stdout_loses_only_the_ready_line(closed: str) -> None:
+    """`yeto-sync … | true` (or `>&-`): the daemon logs the lost ready line and serves on."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    argv = [sys.executable, "-m", "yeto_sync", "--learners=1", "--total-steps=4",
+            "--host=127.0.0.1", f"--port={port}"]  # fmt: skip
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
         daemon = subprocess.Popen(
-            [sys.executable, "-m", "yeto_sync", "--learners=1", "--total-steps=4",
-             "--host=127.0.0.1", f"--port={port}"],
+            ["sh", "-c", 'exec "$@" >&-', "sh", *argv] if closed == "stdout" else argv,
             cwd=REPO, stdout=write_end, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
     finally:

@@ -501,6 +501,9 @@ def _sole_exception(raised: BaseException) -> BaseException:
 
 def _ready_line(text: str, log: KeyValueLog) -> None:
     """Print the ready line; a closed stdout is logged, and the daemon serves on regardless."""
+    if sys.stdout is None:  # started with stdout closed (`>&-`): print would drop it silently
+        log("warning", "stdout is closed: the ready line was not delivered", {})
+        return
     try:
         print(text, flush=True)
     except (OSError, ValueError):
