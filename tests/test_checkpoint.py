@@ -45,6 +45,7 @@ from yeto_proto.checkpoint import (
     write_final_marker,
 )
 from yeto_proto.checkpoint import reader as reader_module
+from yeto_proto.checkpoint.export import MAX_LAYOUT_FILE_BYTES
 from yeto_proto.constants import IsoBackend, MergeMode
 from yeto_proto.errors import CheckpointError, ErrorCode, LocalProtocolError
 from yeto_proto.layout import FragmentSpec, Layout, TensorSpec
@@ -693,6 +694,36 @@ def test_a_bad_layout_file_is_one_coded_error(tmp_path: Path, text: str) -> None
         load_layout(path)
     assert caught.value.code is ErrorCode.CKPT_BAD_LAYOUT
     assert str(path) in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.timeout(20)
+def test_a_layout_that_is_not_a_regular_file_is_refused_not_read(tmp_path: Path) -> None:
+    """A FIFO without a writer would wait forever, /dev/zero never end."""
+    named = []
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "fifo")
+        named.append(tmp_path / "fifo")
+    if os.path.exists("/dev/zero"):
+        named.append(Path("/dev/zero"))
+    for path in [*named, tmp_path]:
+        with pytest.raises(CheckpointError) as caught:
+            load_layout(path)
+        assert caught.value.code is ErrorCode.CKPT_IO and caught.value.section == "layout"
+        assert "not a regular file" in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_a_layout_file_over_its_cap_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    """The cap itself is accepted (a layout padded with spaces to it), one byte more is not."""
+    path = tmp_path / "layout.json"
+    text = named_layout().to_json()
+    path.write_text(text + " " * (MAX_LAYOUT_FILE_BYTES - len(text)))
+    assert load_layout(path).fingerprint() == named_layout().fingerprint()
+    with path.open("a") as file:
+        file.write(" ")
+    with pytest.raises(CheckpointError) as caught:
+        load_layout(path)
+    assert caught.value.code is ErrorCode.CKPT_BAD_LAYOUT
+    assert f"larger than {MAX_LAYOUT_FILE_BYTES} bytes" in str(caught.value)
 
 
 def test_layout_file_round_trips(tmp_path: Path) -> None:

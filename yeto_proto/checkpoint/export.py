@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..constants import IsoBackend
 from ..errors import CheckpointError, ErrorCode, ProtocolError
 from ..layout import Layout
-from .atomic import io_error
+from .atomic import io_error, open_regular_file
 from .model import Checkpoint, CheckpointFormat, F32Array, iso_backend_name
 
 
@@ -35,14 +35,28 @@ class ExportedTensors:
     metadata: dict[str, str]
 
 
+#: The largest layout file read. ``Layout.to_json()`` takes some 150 to 220 bytes a tensor with
+#: names such as ``model.layers.17.mlp.down_proj.weight``, so this holds 300,000 tensors or more,
+#: far beyond any model; it keeps ``--layout`` naming a checkpoint from being read whole.
+MAX_LAYOUT_FILE_BYTES = 64 * 1024 * 1024
+
+
 def load_layout(path: str | os.PathLike[str]) -> Layout:
-    """Read a layout JSON file (``Layout.to_json()``); any defect is ``CKPT_BAD_LAYOUT``."""
+    """Read a layout JSON file (``Layout.to_json()``); any defect is ``CKPT_BAD_LAYOUT``.
+
+    Only a regular file is read (a FIFO would wait for a writer, /dev/zero never end), and
+    one over :data:`MAX_LAYOUT_FILE_BYTES` is refused.
+    """
     name = os.fspath(path)
     try:
-        with open(name, encoding="utf-8") as file:
-            return Layout.from_json(file.read())
+        with open_regular_file(name) as file:
+            data = file.read(MAX_LAYOUT_FILE_BYTES + 1)
     except OSError as exc:
         raise io_error(name, exc, section="layout") from None
+    if len(data) > MAX_LAYOUT_FILE_BYTES:
+        raise _layout_error(name, f"larger than {MAX_LAYOUT_FILE_BYTES} bytes: not a layout file")
+    try:
+        return Layout.from_json(data.decode("utf-8"))
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         # json.JSONDecodeError and UnicodeDecodeError are ValueErrors; the others come from
         # a document of the wrong shape.
