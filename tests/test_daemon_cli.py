@@ -502,6 +502,48 @@ def test_sigterm_keeps_the_last_checkpoint_and_resume_finishes_the_run(tmp_path:
     assert read_checkpoint(checkpoint).global_step == 6
 
 
+@pytest.mark.timeout(20)
+def test_a_key_file_that_is_not_a_small_regular_file_is_refused_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A FIFO without a writer would wait forever, /dev/zero never end, and a large file
+    (``--hello-hmac-key-file`` naming a checkpoint) is not a key."""
+    monkeypatch.delenv(daemon_module.HMAC_KEY_ENV, raising=False)
+    cap = daemon_module.MAX_HELLO_KEY_FILE_BYTES
+    at_cap, over_cap = tmp_path / "at-cap", tmp_path / "over-cap"
+    at_cap.write_bytes(b"k" * cap)
+    over_cap.write_bytes(b"k" * (cap + 1))
+    refused = {over_cap: f"larger than {cap} bytes"}
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "fifo")
+        refused[tmp_path / "fifo"] = "not a regular file"
+    if os.path.exists("/dev/zero"):
+        refused[Path("/dev/zero")] = "not a regular file"
+    refused[tmp_path] = "not a regular file"
+    for path, reason in refused.items():
+        config = daemon_module.SyncerConfig(learners=1, total_steps=2, hello_hmac_key_file=path)
+        with pytest.raises(daemon_module.BadInput, match=reason):
+            daemon_module.load_hello_key(config)
+    config = daemon_module.SyncerConfig(learners=1, total_steps=2, hello_hmac_key_file=at_cap)
+    assert daemon_module.load_hello_key(config) == b"k" * cap
+
+
+def test_a_key_in_the_environment_that_is_not_utf8_or_too_long_is_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cap = daemon_module.MAX_HELLO_KEY_FILE_BYTES
+    config = daemon_module.SyncerConfig(learners=1, total_steps=2)
+    for value, reason in (
+        (os.fsdecode(b"\xff"), "is not valid UTF-8"),  # how os.environ holds such bytes
+        ("k" * (cap + 1), f"longer than {cap} bytes"),
+    ):
+        monkeypatch.setenv(daemon_module.HMAC_KEY_ENV, value)
+        with pytest.raises(daemon_module.BadInput, match=reason):
+            daemon_module.load_hello_key(config)
+    monkeypatch.setenv(daemon_module.HMAC_KEY_ENV, "k" * cap)
+    assert daemon_module.load_hello_key(config) == b"k" * cap
+
+
 def test_hello_authentication_from_a_key_file_or_the_environment(tmp_path: Path) -> None:
     key_file = tmp_path / "key"
     key_file.write_bytes(b"s3cret\n")  # one trailing newline is not part of the key

@@ -35,6 +35,7 @@ from yeto_proto.checkpoint import (
     read_checkpoint,
     refusal_for_every_hello,
 )
+from yeto_proto.checkpoint.atomic import open_regular_file
 from yeto_proto.checkpoint.marker import MarkerStatus, marker_path, marker_state
 from yeto_proto.constants import IsoBackend
 from yeto_proto.errors import ErrorCode, ProtocolError
@@ -56,6 +57,9 @@ PROG = "yeto-sync"
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
 HMAC_KEY_ENV = "YETO_ISLAND_HMAC_KEY"
+#: The largest HELLO key file (and $YETO_ISLAND_HMAC_KEY) accepted: HMAC-SHA256 hashes any key
+#: over 64 bytes down to 32, so a longer key adds nothing; the cap only stops a wrong file.
+MAX_HELLO_KEY_FILE_BYTES = 64 * 1024
 
 _DELTA_CORRECTIONS = {"heloco": DeltaCorrection.HELOCO, "none": DeltaCorrection.NONE}
 _ISO_BACKENDS = {"scalar": IsoBackend.SCALAR, "torch-svd": IsoBackend.TORCH_SVD}
@@ -90,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help=(
             "require HELLOs authenticated with HMAC-SHA256 under the key in this file (its raw "
-            "bytes, without one trailing line ending); default: the environment variable "
+            "bytes, without one trailing line ending; a regular file of at most "
+            f"{MAX_HELLO_KEY_FILE_BYTES // 1024} KiB); default: the environment variable "
             f"{HMAC_KEY_ENV} (UTF-8) if set, else no authentication"
         ),
     )
@@ -264,20 +269,33 @@ def config_from_args(args: argparse.Namespace) -> SyncerConfig:
 
 def load_hello_key(config: SyncerConfig) -> bytes | None:
     """The HELLO authentication key: the key file, else the environment, else none."""
-    if config.hello_hmac_key_file is not None:
+    key_file = config.hello_hmac_key_file
+    if key_file is not None:
         try:
-            key = config.hello_hmac_key_file.read_bytes()
+            # Opened as a regular file and read up to the cap: /dev/zero, a FIFO without a
+            # writer or a multi-gigabyte file named by mistake is refused, not read forever.
+            with open_regular_file(key_file) as file:
+                raw = file.read(MAX_HELLO_KEY_FILE_BYTES + 1)
         except OSError as exc:
             raise BadInput(
-                f"cannot read --hello-hmac-key-file {config.hello_hmac_key_file}: "
-                f"{exc.strerror or exc}"
+                f"cannot read --hello-hmac-key-file {key_file}: {exc.strerror or exc}"
             ) from None
-        key = hello_key_of_file(key)
+        if len(raw) > MAX_HELLO_KEY_FILE_BYTES:
+            raise BadInput(
+                f"--hello-hmac-key-file {key_file} is larger than {MAX_HELLO_KEY_FILE_BYTES} "
+                "bytes: not a key file"
+            )
+        key = hello_key_of_file(raw)
     else:
         text = os.environ.get(HMAC_KEY_ENV)
         if text is None:
             return None
-        key = text.encode("utf-8")
+        try:
+            key = text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates
+            raise BadInput(f"{HMAC_KEY_ENV} is not valid UTF-8") from None
+        if len(key) > MAX_HELLO_KEY_FILE_BYTES:
+            raise BadInput(f"{HMAC_KEY_ENV} is longer than {MAX_HELLO_KEY_FILE_BYTES} bytes")
     if not key:
         raise BadInput("the HELLO authentication key is empty")
     return key
