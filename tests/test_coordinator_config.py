@@ -148,6 +148,36 @@ def test_impossible_values_are_refused_naming_the_flag(change: dict[str, Any], f
         SyncerConfig(**options)
 
 
+U32, U64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+@pytest.mark.parametrize(
+    ("change", "line"),
+    [
+        ({"learners": U32 + 1}, f"--learners must be in 1..{U32}, got {U32 + 1}"),
+        ({"learners": 0}, f"--learners must be in 1..{U32}, got 0"),
+        ({"total_steps": U64 + 1}, f"--total-steps must be in 0..{U64}, got {U64 + 1}"),
+        ({"quorum": U32 + 1}, f"--quorum must be in 1..{U32}"),
+        ({"pipeline": -1}, f"--pipeline must be in 0..{U32}"),
+        ({"grace_ms": U64 + 1}, f"--grace-ms must be in 0..{U64}"),
+        ({"min_round_interval_ms": -1}, f"--min-round-interval-ms must be in 0..{U64}"),
+        ({"quorum_timeout_s": 0}, f"--quorum-timeout-s must be in 1..{U64}"),
+        ({"final_ack_timeout_s": U64 + 1}, f"--final-ack-timeout-s must be in 0..{U64}"),
+        ({"checkpoint_every": 0}, f"--checkpoint-every must be in 1..{U64}"),
+        ({"learner_budget_steps": U32 + 1}, f"--learner-budget-steps must be in 1..{U32}"),
+        ({"max_base_lag": U64 + 1}, f"--max-base-lag must be in 0..{U64}"),
+        ({"grace_tau": float("inf")}, "--grace-tau must be a finite number >= 0, got inf"),
+        ({"sync_interval_steps": -1.0}, "--sync-interval-steps must be a finite number >= 0"),
+        ({"outer_lr": 1e39}, "--outer-lr must be a finite float32, in -3.4028234663852886e+38.."),
+    ],
+)
+def test_a_refusal_says_the_whole_range(change: dict[str, Any], line: str) -> None:
+    """Not only the lower bound: ``--learners 4294967296`` used to get "must be >= 1"."""
+    with pytest.raises(ValueError) as refused:
+        SyncerConfig(**{"learners": 2, "total_steps": 10, **change})
+    assert str(refused.value).startswith(line), refused.value
+
+
 def test_enum_flags_are_normalized() -> None:
     raw: dict[str, Any] = {"delta_correction": 0, "learner_weight": 1, "iso_backend": 1}
     config = SyncerConfig(learners=1, total_steps=1, **raw)

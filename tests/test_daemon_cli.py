@@ -135,6 +135,7 @@ def test_refuses_to_start_over_an_existing_checkpoint(tmp_path: Path) -> None:
     ("flags", "words"),
     [
         (["--learners=0", "--total-steps=4"], "--learners"),
+        (["--learners=4294967296", "--total-steps=4"], "--learners must be in 1..4294967295"),
         (["--learners=1", "--total-steps=4", "--resume"], "--checkpoint-path"),
         (["--learners=1", "--total-steps=4", "--resume", "--checkpoint-path=/no/such"], "no "),
         (["--learners=1", "--total-steps=4", "--hello-hmac-key-file=/no/such"], "key"),

@@ -20,6 +20,8 @@ DEFAULT_PORT = 29400
 DEFAULT_HOST = "127.0.0.1"
 _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
+#: The largest finite float32, 3.4028234663852886e+38.
+_F32_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,60 +62,44 @@ class SyncerConfig:
         object.__setattr__(self, "delta_correction", DeltaCorrection(self.delta_correction))
         object.__setattr__(self, "learner_weight", LearnerWeight(self.learner_weight))
         object.__setattr__(self, "iso_backend", IsoBackend(self.iso_backend))
-        _require(1 <= self.learners <= _U32_MAX, f"--learners must be >= 1, got {self.learners}")
-        _require(
-            0 <= self.total_steps <= _U64_MAX, f"--total-steps must be >= 0, got {self.total_steps}"
-        )
-        _require(1 <= self.quorum <= _U32_MAX, f"--quorum must be >= 1, got {self.quorum}")
-        _require(0 <= self.pipeline <= _U32_MAX, f"--pipeline must be >= 0, got {self.pipeline}")
-        _require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
+        # Each range is the flag's whole range: its wire type (the profile's, PINNED.md) or
+        # what the daemon can do, and each message says all of it.
+        _require_in("learners", self.learners, 1, _U32_MAX)
+        _require_in("total_steps", self.total_steps, 0, _U64_MAX)
+        _require_in("quorum", self.quorum, 1, _U32_MAX)
+        _require_in("pipeline", self.pipeline, 0, _U32_MAX)
+        _require_in("port", self.port, 0, 65535)
         for name in ("grace_ms", "min_round_interval_ms"):
-            value = getattr(self, name)
-            _require(0 <= value <= _U64_MAX, f"--{_flag(name)} must be >= 0, got {value}")
+            _require_in(name, getattr(self, name), 0, _U64_MAX)
         # 0 would end every attempt the instant it launched: retries without end, no round ever.
-        _require(
-            1 <= self.quorum_timeout_s <= _U64_MAX,
-            f"--quorum-timeout-s must be >= 1, got {self.quorum_timeout_s}",
-        )
+        _require_in("quorum_timeout_s", self.quorum_timeout_s, 1, _U64_MAX)
         if self.final_ack_timeout_s is not None:
-            _require(
-                0 <= self.final_ack_timeout_s <= _U64_MAX,
-                f"--final-ack-timeout-s must be >= 0, got {self.final_ack_timeout_s}",
-            )
-        for name in (
-            "grace_gamma",
-            "grace_tau",
-            "sync_interval_steps",
-            "outer_lr",
-            "outer_momentum",
-        ):
-            value = getattr(self, name)
-            _require(math.isfinite(value), f"--{_flag(name)} must be finite, got {value}")
+            _require_in("final_ack_timeout_s", self.final_ack_timeout_s, 0, _U64_MAX)
         for name in ("grace_gamma", "grace_tau", "sync_interval_steps"):
             value = getattr(self, name)
-            _require(value >= 0, f"--{_flag(name)} must be >= 0, got {value}")
+            _require(
+                math.isfinite(value) and value >= 0,
+                f"--{_flag(name)} must be a finite number >= 0, got {value}",
+            )
         for name in ("outer_lr", "outer_momentum"):  # f32 in the profile and in the outer step
             value = getattr(self, name)
-            _require(_fits_f32(value), f"--{_flag(name)} must fit in float32, got {value}")
-        _require(
-            1 <= self.checkpoint_every <= _U64_MAX,
-            f"--checkpoint-every must be >= 1, got {self.checkpoint_every}",
-        )
+            _require(
+                math.isfinite(value) and _fits_f32(value),
+                f"--{_flag(name)} must be a finite float32, in -{_F32_MAX}..{_F32_MAX}, "
+                f"got {value}",
+            )
+        _require_in("checkpoint_every", self.checkpoint_every, 1, _U64_MAX)
+        # A count of jobs the iso pool admits at once: any count >= 1 is one it can keep.
         _require(
             self.iso_worker_queue_capacity >= 1,
-            f"--iso-worker-queue-capacity must be >= 1, got {self.iso_worker_queue_capacity}",
+            "--iso-worker-queue-capacity must be an integer >= 1, got "
+            f"{self.iso_worker_queue_capacity}",
         )
         if self.learner_budget_steps is not None:
-            _require(
-                # B travels as c_steps (u32): a larger budget is one no learner can report.
-                1 <= self.learner_budget_steps <= _U32_MAX,
-                f"--learner-budget-steps must be in 1..2^32-1, got {self.learner_budget_steps}",
-            )
+            # B travels as c_steps (u32): a larger budget is one no learner can report.
+            _require_in("learner_budget_steps", self.learner_budget_steps, 1, _U32_MAX)
         if self.max_base_lag is not None:
-            _require(
-                0 <= self.max_base_lag <= _U64_MAX,
-                f"--max-base-lag must be >= 0, got {self.max_base_lag}",
-            )
+            _require_in("max_base_lag", self.max_base_lag, 0, _U64_MAX)
 
     # -- derived values --------------------------------------------------------------------
     @property
@@ -191,6 +177,11 @@ def _flag(field_name: str) -> str:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _require_in(field_name: str, value: int, low: int, high: int) -> None:
+    """``--learners must be in 1..4294967295, got 4294967296``."""
+    _require(low <= value <= high, f"--{_flag(field_name)} must be in {low}..{high}, got {value}")
 
 
 def _fits_f32(value: float) -> bool:
