@@ -260,6 +260,14 @@ def test_two_benches_in_one_second_get_folders_of_their_own(
         ["--streams", "257"],
         ["--sync-interval", "0"],
         ["--sync-interval", "nan"],
+        ["--sync-interval", "4294967296"],
+        ["--consolidation-timeout", "1e300"],
+        ["--training-timeout", "1000000001"],
+        ["--learners", "257"],
+        ["--learners", "0"],
+        ["--batch-size", "65537"],
+        ["--budget", "4294967296"],
+        ["--quorum", "3"],
     ],
     ids=[
         "nan",
@@ -270,6 +278,14 @@ def test_two_benches_in_one_second_get_folders_of_their_own(
         "streams-high",
         "sync-0",
         "sync-nan",
+        "sync-high",
+        "consolidation-timeout-huge",
+        "training-timeout-high",
+        "learners-high",
+        "learners-0",
+        "batch-high",
+        "budget-high",
+        "quorum-above-learners",
     ],
 )
 def test_bad_numbers_are_one_line_and_exit_2(
@@ -278,10 +294,38 @@ def test_bad_numbers_are_one_line_and_exit_2(
     no_closure: list[BenchConfig],
     flags: list[str],
 ) -> None:
+    """The line names the flag and its whole range (it used to start a syncer that refused
+    the value: exit 1, naming the syncer's flag)."""
     assert cli.main(["bench", "--out", str(tmp_path / "b"), *flags]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and flags[0] in err and "must be" in err
+    ranges = {
+        "--training-timeout": "in (0, 1000000000]",
+        "--consolidation-timeout": "in (0, 1000000000]",
+        "--sync-interval": "in 1..4294967295",
+        "--streams": "in 0..256",
+        "--learners": "in 1..256",
+        "--batch-size": "in 1..65536",
+        "--budget": "in 1..4294967295",
+        "--quorum": "in 1..2",
+    }
+    assert err.count("\n") == 1 and f"{flags[0]} must be" in err and ranges[flags[0]] in err, err
     assert not no_closure and not (tmp_path / "b").exists()
+
+
+def test_a_timeout_under_a_second_reaches_the_syncer_as_one_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The syncer takes whole seconds, at least 1: 0.5 s used to become 0, which it refused."""
+    flags: list[str] = []
+
+    def no_syncer(name: str, given: list[str], *rest: object) -> None:
+        flags.extend(given)
+        raise ClosureFailed("no syncer is started in this test")
+
+    monkeypatch.setattr(bench_closure, "start_syncer", no_syncer)
+    with pytest.raises(ClosureFailed):
+        run_closure(BenchConfig(out=tmp_path / "b", consolidation_timeout=0.5))
+    assert "--quorum-timeout-s=1" in flags
 
 
 def test_an_output_directory_that_cannot_be_made_is_one_line_and_exit_2(

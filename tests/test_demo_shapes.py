@@ -23,9 +23,9 @@ def test_the_shapes_are_the_models(sizes: tuple[int, ...]) -> None:
 @pytest.mark.parametrize(
     ("command", "message"),
     [
-        (["launch", "--fragments", "8"], "--fragments must be at most 7 for the demo model"),
-        (["launch", "--fragments", "6", "--merge", "iso"], "at most 5 for the demo model"),
-        (["bench", "--fragments", "50"], "--fragments must be at most 7 for the bench's model"),
+        (["launch", "--fragments", "8"], "--fragments must be in 1..7 (for the demo model"),
+        (["launch", "--fragments", "6", "--merge", "iso"], "in 1..5 (for the demo model"),
+        (["bench", "--fragments", "50"], "--fragments must be in 1..7 (for the bench's model)"),
     ],
 )
 def test_a_fragment_count_the_model_cannot_have_is_a_usage_error(

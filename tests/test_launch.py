@@ -324,15 +324,28 @@ def _one_error_line(err: str, *words: str) -> None:
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        (["--batch-size", "0"], "--batch-size"),
+        (["--batch-size", "0"], "--batch-size must be in 1..65536, got 0"),
         (["--batch-size", "-1"], "--batch-size"),
-        (["--port", "70000"], "--port"),
+        (["--batch-size", "65537"], "--batch-size must be in 1..65536, got 65537"),
+        (["--port", "70000"], "--port must be in 0..65535, got 70000"),
         (["--port", "-1"], "--port"),
-        (["--sync-interval", "0"], "--sync-interval"),
+        (["--sync-interval", "0"], "--sync-interval must be in 1..4294967295, got 0"),
+        (["--sync-interval", str(1 << 32)], "--sync-interval must be in 1..4294967295"),
         (["--merge", "rda", "--fragments", "1"], "--fragments 1 with --merge rda"),
+        (["--learners", "0"], "--learners must be in 1..256 (each is a process"),
+        (["--learners", str(10**26)], "--learners must be in 1..256"),
+        (["--steps", "0"], f"--steps must be in 1..{(1 << 62) - 1} "),
+        (["--steps", str(10**23)], f"--steps must be in 1..{(1 << 62) - 1} "),
+        # 7 x steps rounds of one local step each: the syncer's --total-steps is a u64.
+        (["--steps", str(1 << 62), "--fragments", "7", "--sync-interval", "1"],
+         f"--steps must be in 1..{((1 << 64) - 1) // 7} "),
+        (["--streams", "257"], "--streams must be in 0..256, got 257"),
+        (["--fragments", "0"], "--fragments must be in 1..7"),
     ],
-    ids=["batch-0", "batch-negative", "port-high", "port-negative", "sync-interval-0", "rda-1"],
-)
+    ids=["batch-0", "batch-negative", "batch-high", "port-high", "port-negative",
+         "sync-interval-0", "sync-interval-high", "rda-1", "learners-0", "learners-huge",
+         "steps-0", "steps-huge", "steps-rounds-huge", "streams-high", "fragments-0"],
+)  # fmt: skip
 def test_bad_numbers_are_refused_before_anything_is_created(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],

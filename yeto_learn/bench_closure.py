@@ -55,11 +55,17 @@ from yeto_sync.help_format import HelpFormatter
 from .artifact_files import LAYOUT_FILE
 from .command_options import (
     BATCH_HELP,
+    LEARNERS_RANGE,
+    MAX_BATCH_SIZE,
+    MAX_LOCAL_LEARNERS,
+    MAX_SYNC_INTERVAL,
     SYNC_INTERVAL_HELP,
+    U32_MAX,
     WIRE_HELP,
     OutputDirError,
     make_output_dir,
     out_help,
+    out_of_range,
 )
 from .demo_shapes import byte_model_shapes
 from .model_layout import most_fragments
@@ -78,6 +84,11 @@ LISTENING = "yeto-sync listening on "
 CUTOFF_TOTAL_STEPS = 1 << 40
 SYNCER_START_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
+#: The longest --training-timeout and --consolidation-timeout (some 31 years). A learner waits
+#: for their sum at most, and Python's waits take at most threading.TIMEOUT_MAX (some 292 years
+#: on Linux); the syncers get them as u64 seconds.
+MAX_TIMEOUT_S = 1e9
+TIMEOUT_RANGE = f"in (0, {MAX_TIMEOUT_S:.0f}]"
 #: How long a stopped or failed closure waits for its learner threads to end (importing torch
 #: takes seconds on a busy machine).
 LEARNER_STOP_GRACE_S = 5.0
@@ -116,34 +127,50 @@ class BenchConfig:
     miss_restart: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
-        if self.learners < 1:
-            raise ValueError(f"--learners must be >= 1, got {self.learners}")
-        if self.fragments < 1:
-            raise ValueError(f"--fragments must be >= 1, got {self.fragments}")
-        most = most_fragments(byte_model_shapes(*TINY_MODEL))
-        if self.fragments > most:  # the learners would refuse it, after the syncer started
-            raise ValueError(f"--fragments must be at most {most} for the bench's model")
-        if self.batch_size < 1:  # 0 trains nothing: c_tokens 0 weighs every push at zero
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if not 1 <= self.budget < 1 << 32:
+        """Every flag against its whole range (``ValueError``: the one line to show)."""
+        if not 1 <= self.learners <= MAX_LOCAL_LEARNERS:
             raise ValueError(
-                f"--budget must be in 1..2^32-1 (it travels as c_steps), got {self.budget}"
+                out_of_range(
+                    "--learners",
+                    self.learners,
+                    1,
+                    MAX_LOCAL_LEARNERS,
+                    "each is a thread of this process",
+                )
+            )
+        most = most_fragments(byte_model_shapes(*TINY_MODEL))
+        if not 1 <= self.fragments <= most:  # the learners would refuse more, too late
+            raise ValueError(
+                out_of_range("--fragments", self.fragments, 1, most, "for the bench's model")
+            )
+        # 0 trains nothing: c_tokens 0 weighs every push at zero.
+        if not 1 <= self.batch_size <= MAX_BATCH_SIZE:
+            raise ValueError(out_of_range("--batch-size", self.batch_size, 1, MAX_BATCH_SIZE))
+        if not 1 <= self.budget <= U32_MAX:
+            raise ValueError(
+                out_of_range("--budget", self.budget, 1, U32_MAX, "it travels as c_steps")
             )
         if not 0 <= self.streams <= MAX_STREAMS:
-            raise ValueError(f"--streams must be in 0..{MAX_STREAMS}, got {self.streams}")
+            raise ValueError(out_of_range("--streams", self.streams, 0, MAX_STREAMS))
         # yeto launch's rule too: H local steps between a fragment's syncs (the syncer's pacing)
-        if not (math.isfinite(self.sync_interval) and self.sync_interval >= 1):
-            raise ValueError(f"--sync-interval must be at least 1, got {self.sync_interval}")
+        if not 1 <= self.sync_interval <= MAX_SYNC_INTERVAL:  # NaN is in no range
+            raise ValueError(
+                out_of_range("--sync-interval", self.sync_interval, 1, MAX_SYNC_INTERVAL)
+            )
         if self.wire_dtype not in ("f32", "bf16", "q4"):
             raise ValueError(f"--wire-dtype must be f32, bf16 or q4, got {self.wire_dtype!r}")
         if not 1 <= self.quorum <= self.learners:
-            raise ValueError(f"--quorum must be in 1..{self.learners}, got {self.quorum}")
+            raise ValueError(
+                out_of_range("--quorum", self.quorum, 1, self.learners, "at most --learners")
+            )
         for name, seconds in (
             ("--training-timeout", self.training_timeout),
             ("--consolidation-timeout", self.consolidation_timeout),
         ):
-            if not (math.isfinite(seconds) and seconds > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {seconds}")
+            if not 0 < seconds <= MAX_TIMEOUT_S:  # NaN is in no range
+                raise ValueError(
+                    f"{name} must be a number of seconds {TIMEOUT_RANGE}, got {seconds}"
+                )
 
 
 @dataclass(frozen=True, slots=True)
@@ -457,7 +484,8 @@ def run_closure(
         f"--sync-interval-steps={config.sync_interval}",
         f"--checkpoint-path={checkpoint}",
         "--mark-final-checkpoint",
-        f"--quorum-timeout-s={int(config.consolidation_timeout)}",
+        # Rounded up: the syncer takes whole seconds, at least 1.
+        f"--quorum-timeout-s={math.ceil(config.consolidation_timeout)}",
     ]
     say(
         f"yeto bench: {config.learners} learners, {config.fragments} fragments, "
@@ -520,7 +548,7 @@ def run_closure(
                 "--resume",
                 f"--quorum={config.learners}",
                 f"--total-steps={cutoff_step + fragments}",
-                f"--final-ack-timeout-s={int(config.consolidation_timeout)}",
+                f"--final-ack-timeout-s={math.ceil(config.consolidation_timeout)}",
                 f"--event-tape={out / CONSOLIDATION_TAPE}",
             ],
             log_path,
@@ -653,7 +681,7 @@ def register(commands: Commands) -> None:
         ),
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--learners", type=int, default=2, help="M, learners")
+    parser.add_argument("--learners", type=int, default=2, help=f"M, learners ({LEARNERS_RANGE})")
     parser.add_argument("--fragments", type=int, default=4, help="F, fragments of the model")
     parser.add_argument(
         "--wire-dtype", choices=("f32", "bf16", "q4"), default="f32", help=WIRE_HELP
@@ -664,13 +692,16 @@ def register(commands: Commands) -> None:
     parser.add_argument("--quorum", type=int, default=1, help="quorum while training")
     parser.add_argument("--sync-interval", type=float, default=8.0, help=SYNC_INTERVAL_HELP)
     parser.add_argument(
-        "--training-timeout", type=float, default=300.0, help="seconds to reach the cutoff"
+        "--training-timeout",
+        type=float,
+        default=300.0,
+        help=f"seconds to reach the cutoff; {TIMEOUT_RANGE}",
     )
     parser.add_argument(
         "--consolidation-timeout",
         type=float,
         default=120.0,
-        help="seconds from the restart to the marked final checkpoint",
+        help=f"seconds from the restart to the marked final checkpoint; {TIMEOUT_RANGE}",
     )
     parser.add_argument("--out", type=Path, help=out_help("yeto-bench"))
     parser.set_defaults(handler=run, command_prog=parser.prog)

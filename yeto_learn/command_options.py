@@ -1,5 +1,9 @@
 """What ``yeto launch`` and ``yeto bench`` share on their command lines.
 
+Every numeric flag is checked against its whole range before anything starts (one line, exit
+2), with upper bounds from the wire's field types or from what the commands can run here:
+:func:`out_of_range` words the line.
+
 :func:`make_output_dir` gives a run an output directory of its own: an explicit ``--out`` must
 be new (in a directory that exists) or empty, and the default ``./PREFIX-YYYYmmdd-HHMMSS`` is
 created atomically, so two runs started in the same second get ``…-HHMMSS`` and ``…-HHMMSS-2``
@@ -16,11 +20,35 @@ WIRE_HELP = (
     "tensor encoding on the wire: f32, bf16, or q4 (4-bit pushes of deltas, bf16 broadcasts; "
     "the final state always travels as f32)"
 )
-BATCH_HELP = "training examples per local step of each learner (one predicted byte each)"
+U32_MAX = (1 << 32) - 1
+U64_MAX = (1 << 64) - 1
+
+#: Learners one command runs on this machine (``yeto launch``'s processes, ``yeto bench``'s
+#: threads), each training a model of its own on the machine's cores. The wire's learner ids go
+#: to 2^32-1; no machine runs that many, and past a few per core the rounds only crawl.
+MAX_LOCAL_LEARNERS = 256
+#: Training examples per local step: 65,536 take some 450 MB more per learner and over a second
+#: a step on one core (the demo model); far more would exhaust the memory of the learners.
+MAX_BATCH_SIZE = 65536
+#: H, local steps between two syncs of a fragment: a learner's steps since its last sync travel
+#: as c_steps, a u32.
+MAX_SYNC_INTERVAL = U32_MAX
+
+LEARNERS_RANGE = f"1..{MAX_LOCAL_LEARNERS}: each runs on this machine"
+BATCH_HELP = (
+    "training examples per local step of each learner (one predicted byte each; "
+    f"1..{MAX_BATCH_SIZE})"
+)
 SYNC_INTERVAL_HELP = (
     "H, local steps between two syncs of a fragment (the syncer paces rounds at H x the slowest "
-    "learner's step time / fragments); at least 1"
+    f"learner's step time / fragments); 1..{MAX_SYNC_INTERVAL}"
 )
+
+
+def out_of_range(flag: str, value: object, low: object, high: object, why: str = "") -> str:
+    """The line for a flag outside ``low..high``: ``--learners must be in 1..256, got 300``."""
+    reason = f" ({why})" if why else ""
+    return f"{flag} must be in {low}..{high}{reason}, got {value}"
 
 
 def out_help(prefix: str) -> str:

@@ -41,11 +41,17 @@ from yeto_sync.help_format import HelpFormatter
 from .artifact_files import LAYOUT_FILE, STATE_FILE
 from .command_options import (
     BATCH_HELP,
+    LEARNERS_RANGE,
+    MAX_BATCH_SIZE,
+    MAX_LOCAL_LEARNERS,
+    MAX_SYNC_INTERVAL,
     SYNC_INTERVAL_HELP,
+    U64_MAX,
     WIRE_HELP,
     OutputDirError,
     make_output_dir,
     out_help,
+    out_of_range,
 )
 from .demo_shapes import byte_model_shapes
 from .model_layout import build_layout, most_fragments
@@ -71,6 +77,8 @@ STOP_GRACE_S = 5.0
 SYNCER_START_TIMEOUT_S = 30.0
 #: Seconds between status lines when stdout is not a terminal.
 PLAIN_REPORT_EVERY_S = 5.0
+#: Learners train at most this many times --steps local steps (their --max-steps).
+LEARNER_STEP_CAP = 4
 
 
 def register(commands: Commands) -> None:
@@ -87,7 +95,9 @@ def register(commands: Commands) -> None:
         ),
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--learners", type=int, default=2, help="M, learner processes")
+    parser.add_argument(
+        "--learners", type=int, default=2, help=f"M, learner processes ({LEARNERS_RANGE})"
+    )
     parser.add_argument("--fragments", type=int, default=4, help="fragments of the model")
     parser.add_argument("--wire-dtype", choices=("f32", "bf16", "q4"), default="q4", help=WIRE_HELP)
     parser.add_argument(
@@ -348,30 +358,50 @@ def total_rounds(steps: int, fragments: int, sync_interval: int) -> int:
     return max(fragments, steps * fragments // max(sync_interval, 1))
 
 
+def most_steps(fragments: int, sync_interval: int) -> int:
+    """The largest ``--steps``: learners stop at :data:`LEARNER_STEP_CAP` x steps local steps
+    and the syncer runs steps x fragments / sync-interval rounds, both u64 on the wire."""
+    by_rounds = ((U64_MAX + 1) * sync_interval - 1) // fragments  # total_rounds() <= U64_MAX
+    return min(U64_MAX // LEARNER_STEP_CAP, by_rounds)
+
+
 def _check_args(args: argparse.Namespace) -> str | None:
-    if args.learners < 1:
-        return "--learners must be at least 1"
-    if args.fragments < 1:
-        return "--fragments must be at least 1"
+    """Every numeric flag against its whole range, before anything starts (or None)."""
+    if not 1 <= args.learners <= MAX_LOCAL_LEARNERS:
+        return out_of_range(
+            "--learners", args.learners, 1, MAX_LOCAL_LEARNERS, "each is a process on this machine"
+        )
+    # The learners would refuse more, after everything started.
     most = most_fragments(byte_model_shapes(), MergeMode[args.merge.upper()])
-    if args.fragments > most:  # the learners would refuse it, after everything started
-        return f"--fragments must be at most {most} for the demo model with --merge {args.merge}"
+    if not 1 <= args.fragments <= most:
+        return out_of_range(
+            "--fragments", args.fragments, 1, most, f"for the demo model with --merge {args.merge}"
+        )
     try:
         demo_layout(args)  # rda/iso also need a fragment of their own for the biases
     except ValueError as exc:
         return f"--fragments {args.fragments} with --merge {args.merge}: {exc}"
-    if args.steps < 1:
-        return "--steps must be at least 1"
+    if not 1 <= args.sync_interval <= MAX_SYNC_INTERVAL:  # yeto bench's rule too
+        return out_of_range("--sync-interval", args.sync_interval, 1, MAX_SYNC_INTERVAL)
+    most = most_steps(args.fragments, args.sync_interval)
+    if not 1 <= args.steps <= most:
+        return out_of_range(
+            "--steps",
+            args.steps,
+            1,
+            most,
+            f"{LEARNER_STEP_CAP} x steps local steps and steps x fragments / "
+            "sync-interval rounds must each fit a u64",
+        )
     if not 0 <= args.streams <= MAX_STREAMS:
-        return f"--streams must be in 0..{MAX_STREAMS}"
+        return out_of_range("--streams", args.streams, 0, MAX_STREAMS)
     if not 0.0 <= args.merge_alpha <= 1.0:
-        return "--merge-alpha must be in [0, 1]"
-    if args.sync_interval < 1:  # yeto bench's rule too
-        return "--sync-interval must be at least 1"
-    if args.batch_size < 1:  # 0 trains nothing: c_tokens 0 weighs every push at zero
-        return "--batch-size must be at least 1"
+        return f"--merge-alpha must be in [0, 1], got {args.merge_alpha}"
+    # 0 trains nothing: c_tokens 0 weighs every push at zero.
+    if not 1 <= args.batch_size <= MAX_BATCH_SIZE:
+        return out_of_range("--batch-size", args.batch_size, 1, MAX_BATCH_SIZE)
     if not 0 <= args.port <= 65535:  # the syncer would refuse it, after the folder was made
-        return "--port must be in 0..65535"
+        return out_of_range("--port", args.port, 0, 65535)
     return None
 
 
@@ -536,7 +566,7 @@ def _launch(
             "--merge", args.merge,
             "--merge-alpha", str(args.merge_alpha),
             "--streams", str(args.streams),
-            "--max-steps", str(4 * args.steps),
+            "--max-steps", str(LEARNER_STEP_CAP * args.steps),
             "--batch-size", str(args.batch_size),
             "--out", str(paths.learner_dir(i)),
             "--run-id", run_id,
