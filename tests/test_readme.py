@@ -27,5 +27,5 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
 
 
 def test_setup_uses_the_constraints_that_pin_cpu_torch() -> None:
-    assert "torch==" in (ROOT / "constraints.txt").read_text()
+    assert "torch==2.13.0+cpu" in (ROOT / "constraints.txt").read_text()  # not the CUDA build
     assert all("-c constraints.txt" in c for c in _setup_commands())
