@@ -697,19 +697,33 @@ def test_a_bad_layout_file_is_one_coded_error(tmp_path: Path, text: str) -> None
 
 
 @pytest.mark.timeout(20)
-def test_a_layout_that_is_not_a_regular_file_is_refused_not_read(tmp_path: Path) -> None:
-    """A FIFO without a writer would wait forever, /dev/zero never end."""
-    named = []
-    if hasattr(os, "mkfifo"):
-        os.mkfifo(tmp_path / "fifo")
-        named.append(tmp_path / "fifo")
-    if os.path.exists("/dev/zero"):
-        named.append(Path("/dev/zero"))
-    for path in [*named, tmp_path]:
+def test_a_layout_that_is_a_device_or_a_directory_is_refused_not_read(tmp_path: Path) -> None:
+    """/dev/zero would never end; a named FIFO no writer holds open reads as empty."""
+    named = [tmp_path, *([Path("/dev/zero")] if os.path.exists("/dev/zero") else [])]
+    for path in named:
         with pytest.raises(CheckpointError) as caught:
             load_layout(path)
         assert caught.value.code is ErrorCode.CKPT_IO and caught.value.section == "layout"
-        assert "not a regular file" in str(caught.value) and str(path) in str(caught.value)
+        assert "not a regular file or a pipe" in str(caught.value)
+        assert str(path) in str(caught.value)
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "fifo")
+        with pytest.raises(CheckpointError) as caught:
+            load_layout(tmp_path / "fifo")
+        assert caught.value.code is ErrorCode.CKPT_BAD_LAYOUT
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/fd"), reason="no /dev/fd here")
+def test_a_layout_can_come_through_a_pipe() -> None:
+    """As bash's ``--layout <(command)`` passes it."""
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, named_layout().to_json().encode())
+        os.close(write_end)
+        layout = load_layout(f"/dev/fd/{read_end}")
+    finally:
+        os.close(read_end)
+    assert layout.fingerprint() == named_layout().fingerprint()
 
 
 def test_a_layout_file_over_its_cap_is_refused_before_it_is_parsed(tmp_path: Path) -> None:

@@ -516,17 +516,33 @@ def test_a_key_file_that_is_not_a_small_regular_file_is_refused_not_read(
     over_cap.write_bytes(b"k" * (cap + 1))
     refused = {over_cap: f"larger than {cap} bytes"}
     if hasattr(os, "mkfifo"):
-        os.mkfifo(tmp_path / "fifo")
-        refused[tmp_path / "fifo"] = "not a regular file"
+        os.mkfifo(tmp_path / "fifo")  # no writer holds it open: it reads as empty
+        refused[tmp_path / "fifo"] = "key is empty"
     if os.path.exists("/dev/zero"):
-        refused[Path("/dev/zero")] = "not a regular file"
-    refused[tmp_path] = "not a regular file"
+        refused[Path("/dev/zero")] = "not a regular file or a pipe"
+    refused[tmp_path] = "not a regular file or a pipe"
     for path, reason in refused.items():
         config = daemon_module.SyncerConfig(learners=1, total_steps=2, hello_hmac_key_file=path)
         with pytest.raises(daemon_module.BadInput, match=reason):
             daemon_module.load_hello_key(config)
     config = daemon_module.SyncerConfig(learners=1, total_steps=2, hello_hmac_key_file=at_cap)
     assert daemon_module.load_hello_key(config) == b"k" * cap
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/fd"), reason="no /dev/fd here")
+def test_a_key_file_can_be_a_pipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--hello-hmac-key-file <(pass show key)``: a secret passed without a file on disk."""
+    monkeypatch.delenv(daemon_module.HMAC_KEY_ENV, raising=False)
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, b"secret\n")
+        os.close(write_end)
+        key_file = Path(f"/dev/fd/{read_end}")
+        config = daemon_module.SyncerConfig(learners=1, total_steps=2, hello_hmac_key_file=key_file)
+        key = daemon_module.load_hello_key(config)
+    finally:
+        os.close(read_end)
+    assert key == daemon_module.hello_key_of_file(b"secret\n")
 
 
 def test_a_key_in_the_environment_that_is_not_utf8_or_too_long_is_one_line(

@@ -272,9 +272,9 @@ def load_hello_key(config: SyncerConfig) -> bytes | None:
     key_file = config.hello_hmac_key_file
     if key_file is not None:
         try:
-            # Opened as a regular file and read up to the cap: /dev/zero, a FIFO without a
-            # writer or a multi-gigabyte file named by mistake is refused, not read forever.
-            with open_regular_file(key_file) as file:
+            # A regular file or a pipe (`<(pass show key)`), read up to the cap: /dev/zero, a
+            # FIFO without a writer or a multi-gigabyte file named by mistake is refused.
+            with open_regular_file(key_file, pipes=True) as file:
                 raw = file.read(MAX_HELLO_KEY_FILE_BYTES + 1)
         except OSError as exc:
             raise BadInput(

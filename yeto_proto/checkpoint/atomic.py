@@ -83,16 +83,20 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def open_regular_file(path: str | os.PathLike[str]) -> io.BufferedReader:
-    """Open ``path`` for reading, refusing anything but a regular file.
+def open_regular_file(path: str | os.PathLike[str], *, pipes: bool = False) -> io.BufferedReader:
+    """Open ``path`` for reading, refusing anything but a regular file (or, with ``pipes``, a
+    pipe such as bash's ``<(command)``: a small input passed without a file on disk).
 
     A plain ``open`` of a FIFO waits for a writer forever: the file is opened non-blocking,
-    checked with ``fstat``, and only then switched back to blocking reads.
+    checked with ``fstat``, and only then switched back to blocking reads (a named FIFO that
+    no writer holds open reads as empty). A device, say ``/dev/zero``, is refused.
     """
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or (pipes and stat.S_ISFIFO(mode))):
+            what = "a regular file or a pipe" if pipes else "a regular file"
+            raise OSError(errno.EINVAL, f"not {what}", os.fspath(path))
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

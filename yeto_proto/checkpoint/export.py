@@ -44,12 +44,12 @@ MAX_LAYOUT_FILE_BYTES = 64 * 1024 * 1024
 def load_layout(path: str | os.PathLike[str]) -> Layout:
     """Read a layout JSON file (``Layout.to_json()``); any defect is ``CKPT_BAD_LAYOUT``.
 
-    Only a regular file is read (a FIFO would wait for a writer, /dev/zero never end), and
+    Only a regular file or a pipe is read (a device such as /dev/zero would never end), and
     one over :data:`MAX_LAYOUT_FILE_BYTES` is refused.
     """
     name = os.fspath(path)
     try:
-        with open_regular_file(name) as file:
+        with open_regular_file(name, pipes=True) as file:
             data = file.read(MAX_LAYOUT_FILE_BYTES + 1)
     except OSError as exc:
         raise io_error(name, exc, section="layout") from None
