@@ -179,16 +179,19 @@ class _Terminated(BaseException):
 
 
 class _Termination:
-    """The SIGTERM handler: the first signal raises :class:`_Terminated`, later ones are only
-    noted (a second one raised into the first one's unwinding, or into the interpreter's
-    shutdown, and printed a traceback)."""
+    """The SIGTERM handler: raises :class:`_Terminated` until the learner has begun to exit,
+    only notes a signal after that (one raised into the stop line's printing, or into the
+    interpreter's shutdown, printed a traceback). It raises again while the learner has not
+    begun to exit: torch turns one raised inside its file writer into an error that a save at
+    the cut only logs, and the learner trains on."""
 
     def __init__(self) -> None:
         self.received = False
+        self.exiting = False
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if not self.received:
-            self.received = True
+        self.received = True
+        if not self.exiting:
             raise _Terminated
 
 
@@ -201,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args)
     except BaseException:
+        termination.exiting = True
         # Raised inside torch's file writer, _Terminated comes back as torch's RuntimeError:
         # whatever ends the run once SIGTERM came is the stop.
         if not termination.received:
@@ -216,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         # What is left is exiting: a late SIGTERM (the launcher stopping its learners, or its
         # parent-death signal) must not raise into the interpreter's shutdown.
+        termination.exiting = True
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
