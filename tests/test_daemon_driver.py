@@ -321,7 +321,6 @@ def test_a_fifo_tape_is_written_without_waiting_for_a_second_writer(tmp_path: Pa
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
-@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
 def test_a_tape_reader_that_stops_reading_holds_the_run_but_not_a_stop_signal(
     tmp_path: Path,
 ) -> None:
@@ -360,10 +359,52 @@ def test_a_tape_reader_that_stops_reading_holds_the_run_but_not_a_stop_signal(
     assert written == line * (len(written) // len(line))  # whole lines only
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_stop_waits_for_a_long_line_the_tape_reader_took_part_of(tmp_path: Path) -> None:
+    """A line longer than the pipe holds goes in pieces; a stop between them cut it, and the
+    reader got half a line (only a line of up to PIPE_BUF bytes goes in whole or not at all)."""
+    tape = tmp_path / "tape.fifo"
+    os.mkfifo(tape)
+    record = {"step": 1, "pad": "x" * (1 << 20)}  # far more than a pipe holds
+    line = json.dumps(record, separators=(",", ":")).encode() + b"\n"
+    read: list[bytes] = []
+    reading = os.open(tape, os.O_RDONLY | os.O_NONBLOCK)  # open before the driver opens it
+    os.set_blocking(reading, True)
+
+    def slow_reader() -> None:
+        # Before the driver opens its end, and after it closed a cut line, a read says EOF.
+        deadline = time.monotonic() + 10
+        while sum(map(len, read)) < len(line) and time.monotonic() < deadline:
+            read.append(os.read(reading, 1 << 16))
+            time.sleep(0.02)  # ~16 pieces: some 0.3 s for the line
+        os.close(reading)
+
+    reader = threading.Thread(target=slow_reader, daemon=True)
+    reader.start()
+
+    async def scenario() -> Exit:
+        clock = FakeClock()
+        driver = Driver(
+            Scripted([AppendTape(record)]),
+            RecordingTransport(),
+            clock,
+            outputs=Outputs(event_tape_path=tape),
+            log=KeyValueLog(io.StringIO()),
+        )
+        return await run_stopped_after(driver, 0.05, OneEvent(clock, TimerFired("x")))
+
+    outcome: list[Exit] = []
+    run_within(20, lambda: _keep(outcome, scenario()))
+    reader.join(20)
+    assert outcome == [Exit(143, "stopped by SIGTERM")]
+    assert b"".join(read) == line
+
+
 async def _keep(outcome: list[Exit], running: Awaitable[Exit]) -> None:
     outcome.append(await running)
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
 def test_a_fifo_tape_without_a_reader_fails_the_run_at_once(tmp_path: Path) -> None:
     tape = tmp_path / "tape.fifo"
     os.mkfifo(tape)

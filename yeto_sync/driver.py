@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import enum
+import errno
 import functools
 import json
 import os
@@ -184,6 +185,11 @@ def _append_descriptor(path: Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+#: How long the event tape's reader may take to let a line it took part of finish, a stop
+#: signal notwithstanding (a pipe cannot be cut back: the reader would get a cut line).
+LINE_FINISH_S = 5.0
 
 
 # -- the driver ------------------------------------------------------------------------------
@@ -503,19 +509,33 @@ class Driver:
         so the tape keeps only whole lines and a resumed run appends after the last one.
 
         A pipe whose reader is slow or stopped reading makes the run wait here, on the event
-        loop, where a stop signal still ends it (a line of up to ``PIPE_BUF`` bytes, 4 KiB on
-        Linux, goes into a pipe whole or not at all)."""
+        loop, where a stop signal still ends it, between lines: a line the pipe took part of is
+        finished first, for up to :data:`LINE_FINISH_S`."""
         assert self._tape is not None
         fd = self._tape.fileno()
         status = os.fstat(fd)
         regular = stat.S_ISREG(status.st_mode)
+        started = False
         try:
             view = memoryview(data)
             while view:
                 try:
-                    view = view[os.write(fd, view) :]
+                    written = os.write(fd, view)
                 except BlockingIOError:
-                    await anyio.wait_writable(fd)
+                    if not started:  # nothing of the line is out: a stop may come here
+                        await anyio.wait_writable(fd)
+                        continue
+                    # A longer line a pipe took part of cannot be cut back: it is finished
+                    # first, a stop signal notwithstanding, unless the reader stalls.
+                    with anyio.move_on_after(LINE_FINISH_S, shield=True) as waiting:
+                        await anyio.wait_writable(fd)
+                    if waiting.cancelled_caught:
+                        raise OSError(
+                            errno.EAGAIN, "its reader stopped reading in the middle of a line"
+                        ) from None
+                    continue
+                started = True
+                view = view[written:]
         except OSError:
             if regular:
                 with contextlib.suppress(OSError):
