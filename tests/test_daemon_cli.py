@@ -395,6 +395,9 @@ def test_a_closed_stdout_loses_only_the_ready_line(closed: str) -> None:
         wait_until(lambda: _accepts(port), 30, "the daemon to listen")
         time.sleep(0.2)  # past the ready line
         assert daemon.poll() is None, "a closed stdout ended the daemon"
+        if closed == "stdout" and os.path.isdir(f"/proc/{daemon.pid}/fd"):
+            # Descriptor 1 stays taken: the listener (or the tape) did not get it.
+            assert os.readlink(f"/proc/{daemon.pid}/fd/1") == os.devnull
         daemon.send_signal(signal.SIGTERM)
         _, errors = daemon.communicate(timeout=15)
     finally:
