@@ -459,6 +459,30 @@ def test_final_marker_and_final_state(tmp_path: Path) -> None:
     run(scenario)
 
 
+def test_a_final_marker_whose_directory_cannot_be_synced_is_named_as_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The marker is on disk (a resume finds it): not "its .final marker was not written"."""
+    real_fsync_path = atomic.fsync_path
+
+    def directories_fail_after_the_marker(path: Path) -> None:
+        if path.is_dir() and (path / "ckpt.bin.final").exists():
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_fsync_path(path)
+
+    async def scenario() -> None:
+        driver, path, _, _ = final_cut_driver(tmp_path)
+        monkeypatch.setattr(atomic, "fsync_path", directories_fail_after_the_marker)
+        await driver.dispatch(TimerFired("x"))
+        assert driver.exit is not None and driver.exit.code == 1
+        assert driver.exit.reason.startswith("final marker write failed: CKPT_IO: directory sync")
+        assert marker_state(path, 12).status.name == "FINAL"
+        kept = driver.last_checkpoint
+        assert kept == DurableCheckpoint(path, 12, CheckpointKind.FINAL, synced=False)
+
+    run(scenario)
+
+
 def test_a_final_marker_that_does_not_fit_leaves_no_marker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -597,14 +597,17 @@ class Driver:
         outcome = await self._write_file("final marker", write_final_marker, path, global_step)
         if outcome is WriteOutcome.WRITTEN:
             self._log("info", "final marker written", {"global_step": global_step})
-            kept = self.last_checkpoint
-            if kept is not None and kept.kind is CheckpointKind.FINAL_UNMARKED:
-                if kept.global_step == global_step:
-                    self.last_checkpoint = dataclasses.replace(kept, kind=CheckpointKind.FINAL)
-        elif self.last_checkpoint is not None and self.last_checkpoint.kind is CheckpointKind.FINAL:
-            self.last_checkpoint = dataclasses.replace(
-                self.last_checkpoint, kind=CheckpointKind.FINAL_UNMARKED
-            )
+        kept = self.last_checkpoint
+        final_kinds = (CheckpointKind.FINAL, CheckpointKind.FINAL_UNMARKED)
+        if outcome is not WriteOutcome.FAILED:
+            if kept is not None and kept.kind in final_kinds and kept.global_step == global_step:
+                # A marker in place but not synced leaves the pair not known durable.
+                synced = kept.synced and outcome is WriteOutcome.WRITTEN
+                self.last_checkpoint = dataclasses.replace(
+                    kept, kind=CheckpointKind.FINAL, synced=synced
+                )
+        elif kept is not None and kept.kind is CheckpointKind.FINAL:
+            self.last_checkpoint = dataclasses.replace(kept, kind=CheckpointKind.FINAL_UNMARKED)
 
     async def _write_final_state(self, state: object) -> None:
         path = self.outputs.final_state_path
