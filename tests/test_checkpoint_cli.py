@@ -542,26 +542,44 @@ def test_a_stop_that_torchs_writer_turns_into_its_own_error_is_reported_as_the_s
     ]
 
 
-@pytest.mark.parametrize("linked", [False, True], ids=["same-path", "hard-link"])
+@pytest.mark.parametrize("named", ["the-same-name", "through-a-symlink"])
 def test_an_export_onto_the_checkpoint_it_reads_is_refused(
-    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path, linked: bool
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path, named: str
 ) -> None:
     # A checkpoint named state.pt exported onto itself was replaced by the export, exit 0.
     checkpoint = tmp_path / "state.pt"
     checkpoint.write_bytes(files["v3"].read_bytes())
-    out = tmp_path / "export.pt"
-    if linked:
-        os.link(checkpoint, out)
-    else:
-        out = checkpoint
+    given = checkpoint
+    if named == "through-a-symlink":
+        given = tmp_path / "link.pt"
+        given.symlink_to(checkpoint)
     code, _, err = run(
-        capsys, "checkpoint", "export", checkpoint, "--layout", files["layout"], "--out", out
+        capsys, "checkpoint", "export", given, "--layout", files["layout"], "--out", checkpoint
     )
     assert (code, err) == (
         2,
-        f"yeto checkpoint export: error: --out {out} is the checkpoint being exported; "
+        f"yeto checkpoint export: error: --out {checkpoint} is the checkpoint being exported; "
         "nothing was written\n",
     )
+    assert checkpoint.read_bytes() == files["v3"].read_bytes()
+
+
+@pytest.mark.parametrize("named", ["a-hard-link", "a-symlink"])
+def test_an_export_onto_another_name_of_the_checkpoint_leaves_the_checkpoint(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path, named: str
+) -> None:
+    """The rename replaces only that name: the checkpoint's data stays under its own."""
+    checkpoint = tmp_path / "state.pt"
+    checkpoint.write_bytes(files["v3"].read_bytes())
+    out = tmp_path / "export.pt"
+    if named == "a-hard-link":
+        os.link(checkpoint, out)
+    else:
+        out.symlink_to(checkpoint)
+    code, _, _ = run(
+        capsys, "checkpoint", "export", checkpoint, "--layout", files["layout"], "--out", out
+    )
+    assert code == 0 and not out.is_symlink()
     assert checkpoint.read_bytes() == files["v3"].read_bytes()
 
 

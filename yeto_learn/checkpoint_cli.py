@@ -255,10 +255,13 @@ def run_export(args: argparse.Namespace) -> int:
         return 128 + stop.signum
 
 
-def _same_file(one: Path, other: Path) -> bool:
+def _replaces(out: Path, given: Path) -> bool:
+    """Whether renaming a file to ``out`` replaces the file ``given`` names: the rename replaces
+    the name ``out`` itself (a symlink there, not its target; another hard link to the same
+    data keeps it), so the input is lost only when its real path is that very name."""
     try:
-        return one.samefile(other)
-    except OSError:  # either does not exist (yet)
+        return given.resolve(strict=True) == out.parent.resolve(strict=True) / out.name
+    except (OSError, RuntimeError):  # either is missing, or a symlink loop
         return False
 
 
@@ -289,7 +292,7 @@ def _export(args: argparse.Namespace, out: Path, check: Callable[[], None]) -> i
     if not out.parent.is_dir():
         raise CheckpointError(ErrorCode.CKPT_IO, f"no such directory (file {out})", section="write")
     for name, given in (("checkpoint", args.path), ("layout", args.layout)):
-        if _same_file(out, Path(given)):
+        if _replaces(out, Path(given)):
             # Replaced by the export, the input would be gone for good.
             print(
                 f"{args.command_prog}: error: --out {out} is the {name} being exported; "
