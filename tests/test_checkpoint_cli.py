@@ -542,14 +542,24 @@ def test_a_stop_that_torchs_writer_turns_into_its_own_error_is_reported_as_the_s
     ]
 
 
-@pytest.mark.parametrize("named", ["the-same-name", "through-a-symlink"])
-def test_an_export_onto_the_checkpoint_it_reads_is_refused(
-    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path, named: str
-) -> None:
-    # A checkpoint named state.pt exported onto itself was replaced by the export, exit 0.
+@pytest.fixture
+def state_pt(files: dict[str, Path], tmp_path: Path) -> Path:
+    """A V3 checkpoint whose name ends in .pt, as an export's may."""
     checkpoint = tmp_path / "state.pt"
     checkpoint.write_bytes(files["v3"].read_bytes())
-    given = checkpoint
+    return checkpoint
+
+
+@pytest.mark.parametrize("named", ["the-same-name", "through-a-symlink"])
+def test_an_export_onto_the_checkpoint_it_reads_is_refused(
+    capsys: pytest.CaptureFixture[str],
+    files: dict[str, Path],
+    tmp_path: Path,
+    state_pt: Path,
+    named: str,
+) -> None:
+    # A checkpoint named state.pt exported onto itself was replaced by the export, exit 0.
+    checkpoint = given = state_pt
     if named == "through-a-symlink":
         given = tmp_path / "link.pt"
         given.symlink_to(checkpoint)
@@ -566,11 +576,14 @@ def test_an_export_onto_the_checkpoint_it_reads_is_refused(
 
 @pytest.mark.parametrize("named", ["a-hard-link", "a-symlink"])
 def test_an_export_onto_another_name_of_the_checkpoint_leaves_the_checkpoint(
-    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path, named: str
+    capsys: pytest.CaptureFixture[str],
+    files: dict[str, Path],
+    tmp_path: Path,
+    state_pt: Path,
+    named: str,
 ) -> None:
     """The rename replaces only that name: the checkpoint's data stays under its own."""
-    checkpoint = tmp_path / "state.pt"
-    checkpoint.write_bytes(files["v3"].read_bytes())
+    checkpoint = state_pt
     out = tmp_path / "export.pt"
     if named == "a-hard-link":
         os.link(checkpoint, out)
