@@ -11,7 +11,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -400,7 +400,75 @@ def test_a_stop_waits_for_a_long_line_the_tape_reader_took_part_of(tmp_path: Pat
     assert b"".join(read) == line
 
 
-async def _keep(outcome: list[Exit], running: Awaitable[Exit]) -> None:
+def _tape_line_driver(tape: Path, records: Sequence[Mapping[str, Any]]) -> tuple[Driver, Any]:
+    """A driver whose first event appends ``records`` to ``tape``, and its event source."""
+    clock = FakeClock()
+    driver = Driver(
+        Scripted([AppendTape(record) for record in records]),
+        RecordingTransport(),
+        clock,
+        outputs=Outputs(event_tape_path=tape),
+        log=KeyValueLog(io.StringIO()),
+    )
+    return driver, OneEvent(clock, TimerFired("x"))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+@pytest.mark.parametrize("stopped", [False, True], ids=["paused-reader", "stalled-and-stopped"])
+def test_a_tape_reader_pausing_mid_line_holds_the_run_until_a_stop_bounds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stopped: bool
+) -> None:
+    """A reader paused in the middle of a long line (a pager, Ctrl+Z) only holds the run: it
+    failed once a wait passed the line's bound even with no stop asked for. Once a stop comes,
+    a reader that still takes nothing fails the line LINE_FINISH_S later, and the run ends
+    with the stop."""
+    monkeypatch.setattr(driver_module, "LINE_FINISH_S", 0.3)
+    tape = tmp_path / "tape.fifo"
+    os.mkfifo(tape)
+    record = {"step": 1, "pad": "x" * (1 << 20)}
+    line = json.dumps(record, separators=(",", ":")).encode() + b"\n"
+    reading = os.open(tape, os.O_RDONLY | os.O_NONBLOCK)
+    read: list[bytes] = []
+
+    def pausing_reader() -> None:
+        while not read:  # until the driver's end opens and writes
+            with contextlib.suppress(BlockingIOError):
+                if piece := os.read(reading, 1 << 16):
+                    read.append(piece)
+            time.sleep(0.01)
+        time.sleep(1.0)  # far past LINE_FINISH_S
+        if stopped:
+            return  # never reads again
+        os.set_blocking(reading, True)
+        while piece := os.read(reading, 1 << 16):
+            read.append(piece)
+
+    reader = threading.Thread(target=pausing_reader, daemon=True)
+    reader.start()
+
+    async def scenario() -> Exit | None:
+        driver, source = _tape_line_driver(tape, [record])
+        if stopped:
+            return await run_stopped_after(driver, 0.2, source)
+        await driver.dispatch(TimerFired("x"))
+        driver.close()
+        return driver.exit
+
+    outcome: list[Exit | None] = []
+    try:
+        run_within(20, lambda: _keep(outcome, scenario()))
+        reader.join(20)
+    finally:
+        os.close(reading)
+    if stopped:
+        assert outcome == [Exit(143, "stopped by SIGTERM")]
+        assert len(b"".join(read)) < len(line)
+    else:
+        assert outcome == [None]
+        assert b"".join(read) == line
+
+
+async def _keep(outcome: list[Any], running: Awaitable[Any]) -> None:
     outcome.append(await running)
 
 
@@ -670,6 +738,39 @@ async def run_stopped_after(driver: Driver, delay: float, source: Any) -> Exit:
         tasks.start_soon(stop_later)
         with anyio.fail_after(5):
             return await driver.run(source)
+
+
+def test_a_failures_shutdown_that_a_stop_cut_short_is_run_again_to_its_end(
+    tmp_path: Path,
+) -> None:
+    """A failed write ends the run; a stop signal during its shutdown cancelled the shutdown,
+    and the run returned with the connections' flush cut short."""
+
+    class SlowShutdown(RecordingTransport):
+        async def shutdown(self, grace: float) -> None:
+            self.calls.append(("shutdown started", grace))
+            await anyio.sleep(0.5)  # the flush of the queues, cancellable
+            await super().shutdown(grace)
+
+    async def scenario() -> None:
+        clock = FakeClock()
+        transport = SlowShutdown()
+        driver = Driver(
+            Scripted([WriteCheckpoint(checkpoint_at(1))]),
+            transport,
+            clock,
+            outputs=Outputs(checkpoint_path=tmp_path / "missing" / "ckpt.bin"),
+            log=KeyValueLog(io.StringIO()),
+        )
+        result = await run_stopped_after(driver, 0.1, OneEvent(clock, TimerFired("x")))
+        assert result.code == 1 and "checkpoint write failed" in result.reason
+        assert [call[0] for call in transport.calls] == [
+            "shutdown started",  # the failure's, cut short by the stop
+            "shutdown started",
+            "shutdown",
+        ]
+
+    run(scenario)
 
 
 def test_request_stop_ends_run_and_shuts_down() -> None:

@@ -21,6 +21,7 @@ import enum
 import errno
 import functools
 import json
+import math
 import os
 import stat
 import sys
@@ -187,8 +188,8 @@ def _append_descriptor(path: Path) -> int:
     return fd
 
 
-#: How long the event tape's reader may take to let a line it took part of finish, a stop
-#: signal notwithstanding (a pipe cannot be cut back: the reader would get a cut line).
+#: How long after a stop signal the event tape's reader may take to let a line it took part of
+#: finish (a pipe cannot be cut back: the reader would get a cut line).
 LINE_FINISH_S = 5.0
 
 
@@ -305,6 +306,10 @@ class Driver:
         self._timers: dict[str, float] = {}
         self._tape: BinaryIO | None = None
         self._run_scope: anyio.CancelScope | None = None
+        #: The shielded scope finishing an event tape line a pipe took part of.
+        self._line_scope: anyio.CancelScope | None = None
+        #: The transport's shutdown ran to its end (a stop may cut a failure's short).
+        self._shut_down = False
         self._stop_request: Exit | None = None
         #: Set once an ``Exit`` ran (or the driver had to stop); the run is over.
         self.exit: Exit | None = None
@@ -438,8 +443,10 @@ class Driver:
                         # learner flooding HEARTBEATs refills the backlog as it drains): let
                         # the loop poll its sockets, or no other peer is read meanwhile.
                         await anyio.lowlevel.checkpoint()
-        if self.exit is None:
-            stop = self._stop_request or Exit(EXIT_FAILURE, "stopped")
+        if self.exit is None or not self._shut_down:
+            # Stopped, or a failure's shutdown that the stop cut short: the connections still
+            # close in order, bounded by the grace.
+            stop = self.exit or self._stop_request or Exit(EXIT_FAILURE, "stopped")
             with anyio.CancelScope(shield=True):
                 await self._finish(stop)
         assert self.exit is not None
@@ -455,12 +462,15 @@ class Driver:
                 threading.Thread(target=self.iso_pool.close, name="iso-pool-close").start()
         if self._run_scope is not None:
             self._run_scope.cancel()
+        if self._line_scope is not None and self._line_scope.deadline == math.inf:
+            self._line_scope.deadline = anyio.current_time() + LINE_FINISH_S
 
     async def _finish(self, exit_action: Exit) -> None:
         self.exit = exit_action
         self._timers.clear()
         try:
             await self.transport.shutdown(self.shutdown_grace)
+            self._shut_down = True
         finally:
             self.close()
 
@@ -502,45 +512,55 @@ class Driver:
         except OSError as exc:
             path = self.outputs.event_tape_path
             reason = exc.strerror or str(exc)
+            if self._stop_request is not None:  # the stop ends the run: it says why
+                self._log("error", "event tape write failed", {"reason": reason, "path": path})
+                return
             await self._finish(self._fail(f"event tape write failed: {reason} (file {path})"))
 
     async def _write_line(self, data: bytes) -> None:
         """Append one whole line; on a failure (a full disk) cut off what part of it was written,
         so the tape keeps only whole lines and a resumed run appends after the last one.
 
-        A pipe whose reader is slow or stopped reading makes the run wait here, on the event
-        loop, where a stop signal still ends it, between lines: a line the pipe took part of is
-        finished first, for up to :data:`LINE_FINISH_S`."""
+        A pipe whose reader is slow or paused makes the run wait here, on the event loop, where
+        a stop signal still ends it between lines (see :meth:`_finish_line` for one the pipe
+        took part of)."""
         assert self._tape is not None
         fd = self._tape.fileno()
         status = os.fstat(fd)
         regular = stat.S_ISREG(status.st_mode)
-        started = False
         try:
             view = memoryview(data)
-            while view:
+            while True:
                 try:
-                    written = os.write(fd, view)
-                except BlockingIOError:
-                    if not started:  # nothing of the line is out: a stop may come here
-                        await anyio.wait_writable(fd)
-                        continue
-                    # A longer line a pipe took part of cannot be cut back: it is finished
-                    # first, a stop signal notwithstanding, unless the reader stalls.
-                    with anyio.move_on_after(LINE_FINISH_S, shield=True) as waiting:
-                        await anyio.wait_writable(fd)
-                    if waiting.cancelled_caught:
-                        raise OSError(
-                            errno.EAGAIN, "its reader stopped reading in the middle of a line"
-                        ) from None
-                    continue
-                started = True
-                view = view[written:]
+                    view = view[os.write(fd, view) :]
+                    break
+                except BlockingIOError:  # nothing of the line is out: a stop may come here
+                    await anyio.wait_writable(fd)
+            if view:
+                await self._finish_line(fd, view)
         except OSError:
             if regular:
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, status.st_size)
             raise
+
+    async def _finish_line(self, fd: int, rest: memoryview) -> None:
+        """The rest of a line a pipe took part of. A pipe cannot be cut back, so the line is
+        finished however long its reader pauses, a stop included: only once a stop came, a
+        reader that has not taken the whole line :data:`LINE_FINISH_S` later fails it."""
+        with anyio.CancelScope(shield=True) as self._line_scope:
+            if self._stop_request is not None:
+                self._line_scope.deadline = anyio.current_time() + LINE_FINISH_S
+            try:
+                while rest:
+                    try:
+                        rest = rest[os.write(fd, rest) :]
+                    except BlockingIOError:
+                        await anyio.wait_writable(fd)
+            finally:
+                self._line_scope = None
+        if rest:
+            raise OSError(errno.EAGAIN, "its reader stopped reading in the middle of a line")
 
     async def _write_checkpoint(self, state: object, final: bool, recovery: bool) -> None:
         path = self.outputs.checkpoint_path
