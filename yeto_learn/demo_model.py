@@ -179,19 +179,23 @@ class _Terminated(BaseException):
 
 
 class _Termination:
-    """The SIGTERM handler: raises :class:`_Terminated` until the learner has begun to exit,
-    only notes a signal after that (one raised into the stop line's printing, or into the
-    interpreter's shutdown, printed a traceback). It raises again while the learner has not
-    begun to exit: torch turns one raised inside its file writer into an error that a save at
-    the cut only logs, and the learner trains on."""
+    """The SIGTERM handler: the first signal raises :class:`_Terminated` where it lands; later
+    ones are only noted (raised into the first one's unwinding, they could leave a temporary
+    file, or print a traceback from the interpreter's shutdown). Torch turns one raised inside
+    its file writer into its own error, which a save at the cut only logs: :meth:`check` raises
+    it again at the training loop's next safe point."""
 
     def __init__(self) -> None:
         self.received = False
-        self.exiting = False
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        self.received = True
-        if not self.exiting:
+        first, self.received = not self.received, True
+        if first:
+            raise _Terminated
+
+    def check(self) -> None:
+        """A safe point: a SIGTERM that came and did not end the run ends it here."""
+        if self.received:
             raise _Terminated
 
 
@@ -202,9 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     termination = _Termination()
     signal.signal(signal.SIGTERM, termination)
     try:
-        return _run(args)
+        return _run(args, termination)
     except BaseException:
-        termination.exiting = True
         # Raised inside torch's file writer, _Terminated comes back as torch's RuntimeError:
         # whatever ends the run once SIGTERM came is the stop.
         if not termination.received:
@@ -220,11 +223,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         # What is left is exiting: a late SIGTERM (the launcher stopping its learners, or its
         # parent-death signal) must not raise into the interpreter's shutdown.
-        termination.exiting = True
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, termination: _Termination) -> int:
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0
@@ -234,7 +236,7 @@ def _run(args: argparse.Namespace) -> int:
         dist.init_process_group("gloo")
         rank = dist.get_rank()
     try:
-        return _train(args, rank, world)
+        return _train(args, rank, world, termination)
     finally:
         if world > 1:
             import torch.distributed as dist
@@ -242,7 +244,7 @@ def _run(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
 
 
-def _train(args: argparse.Namespace, rank: int, world: int) -> int:
+def _train(args: argparse.Namespace, rank: int, world: int, termination: _Termination) -> int:
     from .learner import Learner
     from .transport import FinishStuck, LearnerError
 
@@ -300,6 +302,7 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             learner.step(tokens=args.batch_size)
+            termination.check()
             steps += 1
             value = float(loss.detach())
             running = value if math.isnan(running) else 0.95 * running + 0.05 * value
@@ -311,6 +314,7 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
             emit(_progress(args.learner_id, learner, running, "finishing"))
         # At the cap, the final cut may still come: finish() answers the pulls whose windows
         # hold steps. Once the syncer pulls what only more training could answer, it cannot.
+        termination.check()
         learner.finish(stop_when_stuck=not learner.final_ready)
     except LearnerError as exc:
         text = str(exc)
