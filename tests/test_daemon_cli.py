@@ -409,6 +409,33 @@ def test_a_closed_stdout_loses_only_the_ready_line(closed: str) -> None:
     assert errors.splitlines()[-1] == "yeto-sync: stopped by SIGTERM; no checkpoint was written"
 
 
+def test_a_closed_stderr_and_stdin_leave_the_daemon_serving() -> None:
+    """`yeto-sync … 2>&- <&-`: writing its log to a None stderr ended it at once with exit 1;
+    the listener took descriptor 0."""
+    argv = [sys.executable, "-m", "yeto_sync", "--learners=1", "--total-steps=4",
+            "--host=127.0.0.1", "--port=0"]  # fmt: skip
+    daemon = subprocess.Popen(
+        ["sh", "-c", 'exec "$@" 2>&- <&-', "sh", *argv],
+        cwd=REPO, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert daemon.stdout is not None
+        ready = daemon.stdout.readline()
+        assert ready.startswith("yeto-sync listening on 127.0.0.1:"), ready
+        if os.path.isdir(f"/proc/{daemon.pid}/fd"):
+            assert os.readlink(f"/proc/{daemon.pid}/fd/0") == os.devnull
+            assert os.readlink(f"/proc/{daemon.pid}/fd/2") == os.devnull
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=15)
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+        if daemon.stdout is not None:
+            daemon.stdout.close()
+    assert daemon.returncode == 128 + signal.SIGTERM
+
+
 def _accepts(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0

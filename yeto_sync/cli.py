@@ -16,13 +16,14 @@ from collections.abc import Sequence
 
 from .stop_signals import StopSignals
 
-#: The file descriptor of stdout.
-STDOUT_FD = 1
+#: stdin, stdout and stderr.
+STANDARD_FDS = (0, 1, 2)
+STDERR_FD = 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the daemon; its exit status."""
-    _hold_closed_stdout()
+    _hold_closed_standard_descriptors()
     early = None
     if threading.current_thread() is threading.main_thread():
         early = StopSignals("yeto-sync").install()  # records; the daemon makes it raise
@@ -31,14 +32,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_daemon(argv, early)
 
 
-def _hold_closed_stdout() -> None:
-    """Started with stdout closed (``yeto-sync … >&-``), keep descriptor 1 taken by the null
-    device: the first file or socket the daemon opens (the event tape, the listener) would get
-    it, and what the iso workers it spawns print would go into it. ``sys.stdout`` stays None,
-    so the ready line is logged as undelivered."""
-    if sys.stdout is not None:
-        return
-    null = os.open(os.devnull, os.O_WRONLY)
-    if null != STDOUT_FD:
-        os.dup2(null, STDOUT_FD)
-        os.close(null)
+def _hold_closed_standard_descriptors() -> None:
+    """Started with a standard descriptor closed (``yeto-sync … >&-``, ``2>&-``, ``<&-``),
+    put the null device there: the first file or socket the daemon opens (the event tape, the
+    listener) would take the free number, and the iso workers it spawns would print into it.
+    ``sys.stdout`` stays None, so the ready line is logged as undelivered; a closed stderr
+    gets a ``sys.stderr`` on the null device (the log is lost, the daemon serves on: writing
+    to a None stderr ended it at once with exit 1)."""
+    for fd in STANDARD_FDS:
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stderr is None:
+        sys.stderr = open(STDERR_FD, "w", closefd=False)  # noqa: SIM115 - for the whole run
