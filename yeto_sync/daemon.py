@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help=(
             "require HELLOs authenticated with HMAC-SHA256 under the key in this file (its raw "
-            "bytes, without one trailing line ending; a regular file of at most "
-            f"{MAX_HELLO_KEY_FILE_BYTES // 1024} KiB); default: the environment variable "
+            "bytes, without one trailing line ending; a regular file or a pipe such as "
+            f"<(pass show key), at most {MAX_HELLO_KEY_FILE_BYTES // 1024} KiB); default: the "
+            "environment variable "
             f"{HMAC_KEY_ENV} (UTF-8) if set, else no authentication"
         ),
     )
