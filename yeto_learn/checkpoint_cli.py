@@ -258,11 +258,16 @@ def run_export(args: argparse.Namespace) -> int:
 def _replaces(out: Path, given: Path) -> bool:
     """Whether renaming a file to ``out`` replaces the file ``given`` names: the rename replaces
     the name ``out`` itself (a symlink there, not its target; another hard link to the same
-    data keeps it), so the input is lost only when its real path is that very name."""
+    data keeps it), so the input is lost when its real path is that very name, or when ``out``
+    is the file's only link under another spelling (a case-insensitive file system, a bind
+    mount)."""
     try:
-        return given.resolve(strict=True) == out.parent.resolve(strict=True) / out.name
+        if given.resolve(strict=True) == out.parent.resolve(strict=True) / out.name:
+            return True
+        there, read = os.lstat(out), os.stat(given)
     except (OSError, RuntimeError):  # either is missing, or a symlink loop
         return False
+    return (there.st_dev, there.st_ino) == (read.st_dev, read.st_ino) and read.st_nlink == 1
 
 
 def _file_identity(path: Path) -> tuple[int, int] | None:
