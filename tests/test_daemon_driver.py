@@ -11,7 +11,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -400,7 +400,9 @@ def test_a_stop_waits_for_a_long_line_the_tape_reader_took_part_of(tmp_path: Pat
     assert b"".join(read) == line
 
 
-def _tape_line_driver(tape: Path, records: Sequence[Mapping[str, Any]]) -> tuple[Driver, Any]:
+def _tape_line_driver(
+    tape: Path, records: Sequence[dict[str, Any]], log: io.StringIO
+) -> tuple[Driver, Any]:
     """A driver whose first event appends ``records`` to ``tape``, and its event source."""
     clock = FakeClock()
     driver = Driver(
@@ -408,7 +410,7 @@ def _tape_line_driver(tape: Path, records: Sequence[Mapping[str, Any]]) -> tuple
         RecordingTransport(),
         clock,
         outputs=Outputs(event_tape_path=tape),
-        log=KeyValueLog(io.StringIO()),
+        log=KeyValueLog(log),
     )
     return driver, OneEvent(clock, TimerFired("x"))
 
@@ -420,8 +422,8 @@ def test_a_tape_reader_pausing_mid_line_holds_the_run_until_a_stop_bounds_it(
 ) -> None:
     """A reader paused in the middle of a long line (a pager, Ctrl+Z) only holds the run: it
     failed once a wait passed the line's bound even with no stop asked for. Once a stop comes,
-    a reader that still takes nothing fails the line LINE_FINISH_S later, and the run ends
-    with the stop."""
+    a reader that still takes nothing fails the line LINE_FINISH_S later, the run ends with
+    the stop, and nothing more goes on the tape (a next line would be glued onto the cut one)."""
     monkeypatch.setattr(driver_module, "LINE_FINISH_S", 0.3)
     tape = tmp_path / "tape.fifo"
     os.mkfifo(tape)
@@ -429,43 +431,58 @@ def test_a_tape_reader_pausing_mid_line_holds_the_run_until_a_stop_bounds_it(
     line = json.dumps(record, separators=(",", ":")).encode() + b"\n"
     reading = os.open(tape, os.O_RDONLY | os.O_NONBLOCK)
     read: list[bytes] = []
+    first_read, run_over = threading.Event(), threading.Event()
 
     def pausing_reader() -> None:
-        while not read:  # until the driver's end opens and writes
+        deadline = time.monotonic() + 10
+        while not read and time.monotonic() < deadline:  # until the driver opens and writes
             with contextlib.suppress(BlockingIOError):
                 if piece := os.read(reading, 1 << 16):
                     read.append(piece)
             time.sleep(0.01)
-        time.sleep(1.0)  # far past LINE_FINISH_S
-        if stopped:
-            return  # never reads again
+        first_read.set()
+        # Far past LINE_FINISH_S; once stopped, on until the run is over.
+        run_over.wait(10) if stopped else time.sleep(1.0)
         os.set_blocking(reading, True)
-        while piece := os.read(reading, 1 << 16):
+        while piece := os.read(reading, 1 << 16):  # the rest, until the driver closes its end
             read.append(piece)
 
     reader = threading.Thread(target=pausing_reader, daemon=True)
     reader.start()
+    log = io.StringIO()
 
     async def scenario() -> Exit | None:
-        driver, source = _tape_line_driver(tape, [record])
-        if stopped:
-            return await run_stopped_after(driver, 0.2, source)
-        await driver.dispatch(TimerFired("x"))
-        driver.close()
-        return driver.exit
+        driver, source = _tape_line_driver(tape, [record, {"step": 2}], log)
+        if not stopped:
+            await driver.dispatch(TimerFired("x"))
+            driver.close()
+            return driver.exit
+        async with anyio.create_task_group() as tasks:
+
+            async def stop_mid_line() -> None:
+                await anyio.to_thread.run_sync(first_read.wait, 10)
+                driver.request_stop(143, "stopped by SIGTERM")
+
+            tasks.start_soon(stop_mid_line)
+            with anyio.fail_after(10):
+                result = await driver.run(source)
+        return result
 
     outcome: list[Exit | None] = []
     try:
         run_within(20, lambda: _keep(outcome, scenario()))
+        run_over.set()
         reader.join(20)
+        assert not reader.is_alive()
     finally:
         os.close(reading)
     if stopped:
         assert outcome == [Exit(143, "stopped by SIGTERM")]
-        assert len(b"".join(read)) < len(line)
+        assert read and line.startswith(b"".join(read)) and len(b"".join(read)) < len(line)
+        assert "actions after exit dropped" in log.getvalue()
     else:
         assert outcome == [None]
-        assert b"".join(read) == line
+        assert b"".join(read) == line + b'{"step":2}\n'
 
 
 async def _keep(outcome: list[Any], running: Awaitable[Any]) -> None:
@@ -747,14 +764,22 @@ def test_a_failures_shutdown_that_a_stop_cut_short_is_run_again_to_its_end(
     and the run returned with the connections' flush cut short."""
 
     class SlowShutdown(RecordingTransport):
+        driver: Driver | None = None
+        clock = FakeClock()
+
         async def shutdown(self, grace: float) -> None:
             self.calls.append(("shutdown started", grace))
+            driver = self.driver
+            if driver is not None:  # a stop signal while the failure's flush goes on
+                self.driver = None
+                self.clock.set(self.clock.now() + 1.0)  # a second of the grace went by
+                driver.request_stop(143, "stopped by SIGTERM")
             await anyio.sleep(0.5)  # the flush of the queues, cancellable
             await super().shutdown(grace)
 
     async def scenario() -> None:
-        clock = FakeClock()
         transport = SlowShutdown()
+        clock = transport.clock
         driver = Driver(
             Scripted([WriteCheckpoint(checkpoint_at(1))]),
             transport,
@@ -762,12 +787,15 @@ def test_a_failures_shutdown_that_a_stop_cut_short_is_run_again_to_its_end(
             outputs=Outputs(checkpoint_path=tmp_path / "missing" / "ckpt.bin"),
             log=KeyValueLog(io.StringIO()),
         )
-        result = await run_stopped_after(driver, 0.1, OneEvent(clock, TimerFired("x")))
+        transport.driver = driver
+        with anyio.fail_after(5):
+            result = await driver.run(OneEvent(clock, TimerFired("x")))
         assert result.code == 1 and "checkpoint write failed" in result.reason
-        assert [call[0] for call in transport.calls] == [
-            "shutdown started",  # the failure's, cut short by the stop
-            "shutdown started",
-            "shutdown",
+        grace = driver.shutdown_grace
+        assert transport.calls == [
+            ("shutdown started", grace),  # the failure's, cut short by the stop
+            ("shutdown started", grace - 1.0),  # what was left of the grace, not all of it
+            ("shutdown", grace - 1.0),
         ]
 
     run(scenario)

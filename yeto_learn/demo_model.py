@@ -316,6 +316,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, termination: _Termin
         # hold steps. Once the syncer pulls what only more training could answer, it cannot.
         termination.check()
         learner.finish(stop_when_stuck=not learner.final_ready)
+        termination.check()  # one torch swallowed in the artifact's save at the cut
     except LearnerError as exc:
         text = str(exc)
         if isinstance(exc, FinishStuck):

@@ -9,6 +9,7 @@ module imports nothing else for that reason.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import threading
@@ -42,10 +43,15 @@ def _hold_closed_standard_descriptors() -> None:
     for fd in STANDARD_FDS:
         try:
             os.fstat(fd)
-        except OSError:
+        except OSError as exc:
+            if exc.errno != errno.EBADF:  # open, whatever else failed
+                continue
             null = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
             if null != fd:
                 os.dup2(null, fd)
                 os.close(null)
     if sys.stderr is None:
-        sys.stderr = open(STDERR_FD, "w", closefd=False)  # noqa: SIM115 - for the whole run
+        # As Python's own stderr: never an encoding error, each line written as it comes.
+        sys.stderr = open(  # noqa: SIM115 - for the whole run
+            STDERR_FD, "w", buffering=1, errors="backslashreplace", closefd=False
+        )

@@ -310,6 +310,7 @@ class Driver:
         self._line_scope: anyio.CancelScope | None = None
         #: The transport's shutdown ran to its end (a stop may cut a failure's short).
         self._shut_down = False
+        self._shutdown_began: float | None = None
         self._stop_request: Exit | None = None
         #: Set once an ``Exit`` ran (or the driver had to stop); the run is over.
         self.exit: Exit | None = None
@@ -468,8 +469,13 @@ class Driver:
     async def _finish(self, exit_action: Exit) -> None:
         self.exit = exit_action
         self._timers.clear()
+        # A shutdown run again (a stop cut the first short) gets what is left of the grace.
+        now = self.clock.now()
+        if self._shutdown_began is None:
+            self._shutdown_began = now
+        grace = max(self.shutdown_grace - (now - self._shutdown_began), 0.0)
         try:
-            await self.transport.shutdown(self.shutdown_grace)
+            await self.transport.shutdown(grace)
             self._shut_down = True
         finally:
             self.close()
@@ -512,8 +518,11 @@ class Driver:
         except OSError as exc:
             path = self.outputs.event_tape_path
             reason = exc.strerror or str(exc)
-            if self._stop_request is not None:  # the stop ends the run: it says why
-                self._log("error", "event tape write failed", {"reason": reason, "path": path})
+            if self._stop_request is not None:
+                # The stop ends the run and says why; nothing more may follow the cut line
+                # (the next would be glued onto it): the run's remaining actions are dropped.
+                self._log("error", "event tape write failed", {"reason": reason, "path": str(path)})
+                self.exit = self._stop_request
                 return
             await self._finish(self._fail(f"event tape write failed: {reason} (file {path})"))
 
