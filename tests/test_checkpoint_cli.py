@@ -224,6 +224,17 @@ def with_stdout_closed(*argv: str | Path) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+def test_with_stderr_closed_an_error_line_never_lands_in_the_output(tmp_path: Path) -> None:
+    """`yeto checkpoint inspect MISSING --json 2>&-`: Python's None stderr sent the error line
+    to stdout, into what a script parses."""
+    yeto = [sys.executable, "-m", "yeto_learn.cli", "checkpoint", "inspect"]
+    done = subprocess.run(
+        ["sh", "-c", 'exec "$@" 2>&- <&-', "sh", *yeto, str(tmp_path / "missing"), "--json"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=60,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout) == (2, "")
+
+
 @pytest.mark.parametrize("extra", [[], ["--json"], ["--help"]], ids=["text", "json", "help"])
 def test_a_stdout_closed_from_the_start_is_a_reader_gone(
     files: dict[str, Path], extra: list[str]

@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn, TypeAlias, cast
 
+from yeto_sync.standard_streams import hold_closed_standard_descriptors
 from yeto_sync.stop_signals import Stopped, StopSignals, ignore_stop_signals, installed
 
 from .output import OutputFailed, flush_stdout, stand_in_for_closed_stdout, stdout_writes
@@ -158,6 +159,7 @@ def entry() -> NoReturn:
     """
     stops = StopSignals("yeto").install()
     stand_in_for_closed_stdout()
+    hold_closed_standard_descriptors()  # stdin and stderr; stdout has its stand-in
     from .process_control import exit_process
 
     try:
