@@ -35,7 +35,7 @@ from yeto_proto.checkpoint import (
     read_checkpoint,
     refusal_for_every_hello,
 )
-from yeto_proto.checkpoint.atomic import open_regular_file
+from yeto_proto.checkpoint.atomic import read_capped
 from yeto_proto.checkpoint.marker import MarkerStatus, marker_path, marker_state
 from yeto_proto.constants import IsoBackend
 from yeto_proto.errors import ErrorCode, ProtocolError
@@ -273,15 +273,15 @@ def load_hello_key(config: SyncerConfig) -> bytes | None:
     key_file = config.hello_hmac_key_file
     if key_file is not None:
         try:
-            # A regular file or a pipe (`<(pass show key)`), read up to the cap: /dev/zero, a
-            # FIFO without a writer or a multi-gigabyte file named by mistake is refused.
-            with open_regular_file(key_file, pipes=True) as file:
-                raw = file.read(MAX_HELLO_KEY_FILE_BYTES + 1)
+            # A regular file or a pipe (`<(pass show key)`), read up to the cap: /dev/zero or a
+            # multi-gigabyte file named by mistake is refused (a FIFO no writer holds open
+            # reads as empty, refused below).
+            raw = read_capped(key_file, MAX_HELLO_KEY_FILE_BYTES)
         except OSError as exc:
             raise BadInput(
                 f"cannot read --hello-hmac-key-file {key_file}: {exc.strerror or exc}"
             ) from None
-        if len(raw) > MAX_HELLO_KEY_FILE_BYTES:
+        if raw is None:
             raise BadInput(
                 f"--hello-hmac-key-file {key_file} is larger than {MAX_HELLO_KEY_FILE_BYTES} "
                 "bytes: not a key file"

@@ -104,6 +104,15 @@ def open_regular_file(path: str | os.PathLike[str], *, pipes: bool = False) -> i
         raise
 
 
+def read_capped(path: str | os.PathLike[str], limit: int) -> bytes | None:
+    """The bytes of a small input given by name (a regular file or a pipe), or None when it
+    holds more than ``limit`` bytes: nothing past ``limit + 1`` is read. Opening and reading
+    fail as :func:`open_regular_file` does."""
+    with open_regular_file(path, pipes=True) as file:
+        data = file.read(limit + 1)
+    return None if len(data) > limit else data
+
+
 def release_cached_pages(path: Path) -> None:
     """Advise the kernel to drop the page cache of a file that is about to be replaced.
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..constants import IsoBackend
 from ..errors import CheckpointError, ErrorCode, ProtocolError
 from ..layout import Layout
-from .atomic import io_error, open_regular_file
+from .atomic import io_error, read_capped
 from .model import Checkpoint, CheckpointFormat, F32Array, iso_backend_name
 
 
@@ -49,11 +49,10 @@ def load_layout(path: str | os.PathLike[str]) -> Layout:
     """
     name = os.fspath(path)
     try:
-        with open_regular_file(name, pipes=True) as file:
-            data = file.read(MAX_LAYOUT_FILE_BYTES + 1)
+        data = read_capped(name, MAX_LAYOUT_FILE_BYTES)
     except OSError as exc:
         raise io_error(name, exc, section="layout") from None
-    if len(data) > MAX_LAYOUT_FILE_BYTES:
+    if data is None:
         raise _layout_error(name, f"larger than {MAX_LAYOUT_FILE_BYTES} bytes: not a layout file")
     try:
         return Layout.from_json(data.decode("utf-8"))
