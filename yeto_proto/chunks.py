@@ -163,7 +163,7 @@ class _Partial:
 
 
 class CompletedIds:
-    """Which message ids of one group have completed, in a fixed 8 KiB.
+    """Which message ids of one group have completed, in at most 16 KiB.
 
     Ids count up from 0 per generation and are never reused. Within :data:`MSG_ID_WINDOW` of
     the highest id started so far each id has a bit (at most twice that many are kept); every

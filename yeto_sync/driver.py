@@ -21,7 +21,6 @@ import enum
 import errno
 import functools
 import json
-import math
 import os
 import stat
 import sys
@@ -191,6 +190,15 @@ def _append_descriptor(path: Path) -> int:
 #: How long after a stop signal the event tape's reader may take to let a line it took part of
 #: finish (a pipe cannot be cut back: the reader would get a cut line).
 LINE_FINISH_S = 5.0
+
+
+async def _write_some(fd: int, data: memoryview) -> memoryview:
+    """Write what ``fd`` takes of ``data`` now, first waiting until it takes any; the rest."""
+    while True:
+        try:
+            return data[os.write(fd, data) :]
+        except BlockingIOError:
+            await anyio.wait_writable(fd)
 
 
 # -- the driver ------------------------------------------------------------------------------
@@ -463,8 +471,9 @@ class Driver:
                 threading.Thread(target=self.iso_pool.close, name="iso-pool-close").start()
         if self._run_scope is not None:
             self._run_scope.cancel()
-        if self._line_scope is not None and self._line_scope.deadline == math.inf:
-            self._line_scope.deadline = anyio.current_time() + LINE_FINISH_S
+        if self._line_scope is not None:
+            bound = anyio.current_time() + LINE_FINISH_S
+            self._line_scope.deadline = min(self._line_scope.deadline, bound)
 
     async def _finish(self, exit_action: Exit) -> None:
         self.exit = exit_action
@@ -538,15 +547,10 @@ class Driver:
         status = os.fstat(fd)
         regular = stat.S_ISREG(status.st_mode)
         try:
-            view = memoryview(data)
-            while True:
-                try:
-                    view = view[os.write(fd, view) :]
-                    break
-                except BlockingIOError:  # nothing of the line is out: a stop may come here
-                    await anyio.wait_writable(fd)
-            if view:
-                await self._finish_line(fd, view)
+            # Until a first byte goes, nothing of the line is out: a stop may come here.
+            rest = await _write_some(fd, memoryview(data))
+            if rest:
+                await self._finish_line(fd, rest)
         except OSError:
             if regular:
                 with contextlib.suppress(OSError):
@@ -562,10 +566,7 @@ class Driver:
                 self._line_scope.deadline = anyio.current_time() + LINE_FINISH_S
             try:
                 while rest:
-                    try:
-                        rest = rest[os.write(fd, rest) :]
-                    except BlockingIOError:
-                        await anyio.wait_writable(fd)
+                    rest = await _write_some(fd, rest)
             finally:
                 self._line_scope = None
         if rest:

@@ -305,8 +305,11 @@ class Coordinator:
         current = self._registry.current_of(key.learner_id)
         self._registry.admit(key, conn, hello.num_streams)
         out.append(AdmitGroup(conn, key, hello.num_streams, self._limits))
-        fields: dict[str, Any] = {"conn": conn, **_member_fields(key)}
-        fields["num_streams"] = hello.num_streams
+        fields: dict[str, Any] = {
+            "conn": conn,
+            **_member_fields(key),
+            "num_streams": hello.num_streams,
+        }
         if current is not None:
             # Superseded for future launches from now on, though the new one is not ready.
             fields["supersedes_generation"] = current.generation
