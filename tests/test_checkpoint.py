@@ -4,6 +4,7 @@ layout proof for export. The byte-level golden cases live in conformance/test_ch
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import subprocess
 import sys
@@ -738,6 +739,28 @@ def test_a_layout_file_over_its_cap_is_refused_before_it_is_parsed(tmp_path: Pat
         load_layout(path)
     assert caught.value.code is ErrorCode.CKPT_BAD_LAYOUT
     assert f"larger than {MAX_LAYOUT_FILE_BYTES} bytes" in str(caught.value)
+
+
+def test_a_regular_layout_file_over_its_cap_is_refused_without_reading_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its size says enough: a 1 TiB sparse file costs no read (it was read up to the cap)."""
+    path = tmp_path / "layout.json"
+    with path.open("wb") as file:
+        file.truncate(1 << 40)
+    reads: list[int] = []
+    real_read = io.BufferedReader.read
+
+    class CountingReader(io.BufferedReader):
+        def read(self, size: int | None = -1, /) -> bytes:
+            reads.append(-1 if size is None else size)
+            return real_read(self, size)
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode="rb": CountingReader(io.FileIO(fd, "r")))
+    with pytest.raises(CheckpointError) as caught:
+        load_layout(path)
+    assert caught.value.code is ErrorCode.CKPT_BAD_LAYOUT
+    assert reads == []
 
 
 def test_layout_file_round_trips(tmp_path: Path) -> None:

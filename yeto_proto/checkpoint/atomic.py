@@ -109,6 +109,9 @@ def read_capped(path: str | os.PathLike[str], limit: int) -> bytes | None:
     holds more than ``limit`` bytes: nothing past ``limit + 1`` is read. Opening and reading
     fail as :func:`open_regular_file` does."""
     with open_regular_file(path, pipes=True) as file:
+        status = os.fstat(file.fileno())
+        if stat.S_ISREG(status.st_mode) and status.st_size > limit:
+            return None  # a regular file's size is known: refuse it without reading
         data = file.read(limit + 1)
     return None if len(data) > limit else data
 
