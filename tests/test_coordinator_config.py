@@ -129,6 +129,8 @@ def test_semantic_flags_change_the_profile_hash(change: dict[str, Any]) -> None:
         ({"quorum": 0}, "--quorum"),
         ({"pipeline": -1}, "--pipeline"),
         ({"port": 70000}, "--port"),
+        ({"host": "a..b"}, "--host"),  # a label IDNA refuses: the resolver is never asked
+        ({"host": "x" * 64}, "--host"),
         ({"grace_ms": -1}, "--grace-ms"),
         ({"quorum_timeout_s": -5}, "--quorum-timeout-s"),
         ({"quorum_timeout_s": 0}, "--quorum-timeout-s"),  # every attempt would time out at once

@@ -146,6 +146,8 @@ def test_refuses_to_start_over_an_existing_checkpoint(tmp_path: Path) -> None:
         (["--learners=1", "--total-steps=4", "--event-tape=/no/such/tape"], "--event-tape"),
         (["--learners=1", "--total-steps=4", "--checkpoint-path=/no/such/c"], "no directory"),
         (["--learners=1", "--total-steps=4", "--final-state=/"], "--final-state"),
+        # The resolver raised UnicodeError for it: a traceback and exit 0.
+        (["--learners=1", "--total-steps=4", "--host=a..b"], "--host 'a..b': not a valid host"),
     ],
 )
 def test_bad_startup_input_is_one_line_and_exit_2(flags: list[str], words: str) -> None:

@@ -406,6 +406,14 @@ def test_bad_options_are_refused_with_the_fix(options: dict[str, Any], message: 
                 num_learners=1, connect_timeout=0.5, **arguments)  # fmt: skip
 
 
+@pytest.mark.parametrize("address", ["a..b:29400", f"{'x' * 64}.example:29400", "[a..b]:1"])
+def test_a_host_name_no_resolver_takes_is_refused_at_once(address: str) -> None:
+    """Its lookup raised UnicodeError in the network thread: a traceback, "thread failed"."""
+    with pytest.raises(ValueError, match="not a valid host name"):
+        Learner(small_model(), syncer=address, learner_id=0, num_learners=1, fragments=1,
+                connect_timeout=0.5)  # fmt: skip
+
+
 def test_a_meta_model_is_refused_by_name() -> None:
     with torch.device("meta"):
         model = torch.nn.Linear(3, 2)

@@ -16,6 +16,8 @@ from pathlib import Path
 from yeto_proto.constants import IsoBackend
 from yeto_proto.identity import DeltaCorrection, LearnerWeight, SyncerProfile
 
+from .host_names import host_name_problem
+
 DEFAULT_PORT = 29400
 DEFAULT_HOST = "127.0.0.1"
 _U32_MAX = (1 << 32) - 1
@@ -69,6 +71,8 @@ class SyncerConfig:
         _require_in("quorum", self.quorum, 1, _U32_MAX)
         _require_in("pipeline", self.pipeline, 0, _U32_MAX)
         _require_in("port", self.port, 0, 65535)
+        host_problem = host_name_problem(self.host)
+        _require(host_problem is None, f"--host {self.host!r}: {host_problem}")
         for name in ("grace_ms", "min_round_interval_ms"):
             _require_in(name, getattr(self, name), 0, _U64_MAX)
         # 0 would end every attempt the instant it launched: retries without end, no round ever.

@@ -52,6 +52,7 @@ from yeto_proto import (
     encode,
 )
 from yeto_proto.constants import CHUNK_SLICE_SIZE, MAX_STREAMS
+from yeto_sync.host_names import host_name_problem
 
 from ..session.reconnect import backoff_delay, fresh_generation
 from .errors import LearnerError, SyncerProtocolViolation, SyncerUnreachable
@@ -97,6 +98,9 @@ class ClientConfig:
     inbox_cap_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        problem = host_name_problem(self.host)
+        if problem is not None:
+            raise ValueError(f"syncer host {self.host!r}: {problem}")
         if not 0 <= self.num_streams <= MAX_STREAMS:
             raise ValueError(f"num_streams must be in 0..{MAX_STREAMS}, got {self.num_streams}")
         if self.connect_timeout <= 0 or self.reconnect_timeout <= 0:
@@ -128,7 +132,11 @@ def parse_address(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"syncer address must be HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
+    host = host.strip("[]")
+    problem = host_name_problem(host)
+    if problem is not None:
+        raise ValueError(f"syncer address {text!r}: {problem}")
+    return host, int(port)
 
 
 class SyncerClient:
@@ -510,8 +518,9 @@ class SyncerClient:
     async def _end_if_silent(self, group: ConnectionGroup, limit: float) -> None:
         await anyio.sleep(max(limit - time.monotonic(), 0.0))
         # A first frame still arriving keeps the group as long as its bytes keep coming (a
-        # whole fragment without data streams): a syncer that hung inside it does not.
-        seen = -1
+        # whole fragment without data streams): a syncer that hung inside it, or never began
+        # one, does not.
+        seen = 0
         while not group.received_any and group.bytes_received != seen:
             seen = group.bytes_received
             await anyio.sleep(self.config.reconnect_timeout)
