@@ -27,19 +27,26 @@ from yeto_proto import (
     FIRST_FRAME_LIMIT,
     FRAME_MAGIC,
     Chunk,
+    ChunkSlicer,
+    DataHello,
     ErrorMessage,
     FrameDecoder,
     FrameType,
     Heartbeat,
     Hello,
+    InitParams,
+    Limits,
     MergeMode,
+    PullReq,
     PushFragment,
     Role,
     WireDtype,
     WireFragment,
     WireLayout,
+    encode,
     encode_bytes,
 )
+from yeto_sync.transport.group import MAX_HELD_MESSAGES
 
 LAYOUT = WireLayout((WireFragment(MergeMode.AVG, (50_000,)), WireFragment(MergeMode.AVG, (64,))))
 SPEC = SessionSpec(WireDtype.F32, LAYOUT, bytes(range(32)), bytes(range(40, 72)))
@@ -332,3 +339,39 @@ def test_largest_hellos_neither_stall_other_peers_nor_delay_a_stop() -> None:
     assert daemon.stderr.splitlines()[-1] == (
         "yeto-sync: stopped by SIGTERM; no checkpoint was written"
     )
+
+
+def test_learner_zeros_inits_wait_in_its_sockets_for_a_data_stream_that_attaches_late() -> None:
+    """Not hostile: learner 0 sends every fragment's INIT right after its handshake. With one
+    DATA_HELLO a retransmission late (0.3 s), the INITs on the other data socket filled the
+    syncer's 256 held messages and the group was closed with GROUP_NOT_READY: the run was
+    over."""
+    fragments = 2 * MAX_HELD_MESSAGES + 1
+    layout = WireLayout(tuple(WireFragment(MergeMode.AVG, (4,)) for _ in range(fragments)))
+    limits = Limits.of(SPEC.dtype, layout)
+    with Daemon("--learners=1", "--total-steps=1") as daemon:
+        control = socket.create_connection(daemon.address, timeout=30)
+        first = socket.create_connection(daemon.address, timeout=30)
+        control.sendall(encode_bytes(Hello(0, 1, SPEC.dtype, layout, bytes(32), SPEC.contract, 2)))
+        first.sendall(encode_bytes(DataHello(0, 1, 0)))
+        late: list[bytes] = [encode_bytes(DataHello(0, 1, 1))]
+        slicer = ChunkSlicer(2)
+        for fragment_id in range(fragments):
+            init = InitParams(fragment_id, np.full(4, fragment_id, "<f4").tobytes())
+            for chunk in slicer.slice(encode(init)):
+                data = b"".join(bytes(part) for part in chunk.buffers)
+                if chunk.stream_idx == 0:
+                    first.sendall(data)
+                else:
+                    late.append(data)
+        time.sleep(0.3)
+        second = socket.create_connection(daemon.address, timeout=30)
+        second.sendall(b"".join(late))
+        decoder = FrameDecoder(Role.LEARNER, limits=limits)
+        while not any(isinstance(frame, PullReq) for frame in decoder.frames()):
+            data = control.recv(1 << 16)
+            assert data, daemon.stderr[-2000:]
+            decoder.feed(data)
+        for sock in (control, first, second):
+            sock.close()
+    assert "GROUP_NOT_READY" not in daemon.stderr

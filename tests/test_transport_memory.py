@@ -522,15 +522,39 @@ def test_peer_leaving_before_admission_is_reported_closed() -> None:
     run(scenario)
 
 
-def test_too_many_messages_before_ready_close_the_group() -> None:
+def test_messages_past_the_held_cap_wait_in_the_socket_until_the_group_is_ready() -> None:
+    """Learner 0 INITs every fragment at once; a data socket that attaches a retransmission
+    late used to cost its run: GROUP_NOT_READY after 256 held messages."""
+
+    async def scenario() -> None:
+        coordinator = AdmitAll()
+        syncer = new_syncer(coordinator)
+        (control,) = connect_group(syncer, num_streams=1, attach=0)
+        await syncer.settle()
+        count = 3 * MAX_HELD_MESSAGES + 5
+        control.write(b"".join(encode_bytes(Heartbeat(0, step)) for step in range(count)))
+        await syncer.settle()
+        assert coordinator.of_type(MessageReceived) == []
+        assert not control.hung_up
+        late = syncer.connect()
+        late.send(DataHello(0, 1, 0))
+        await syncer.settle()
+        received = coordinator.of_type(MessageReceived)
+        assert [event.message for event in received] == [Heartbeat(0, s) for s in range(count)]
+        assert not control.hung_up and not late.hung_up
+
+    run(scenario)
+
+
+def test_a_group_that_stopped_at_the_held_cap_still_ends_at_its_attach_deadline() -> None:
     async def scenario() -> None:
         coordinator = AdmitAll()
         syncer = new_syncer(coordinator)
         (control,) = connect_group(syncer, num_streams=1, attach=0)
         await syncer.settle()
         control.write(encode_bytes(Heartbeat(0, 1)) * (MAX_HELD_MESSAGES + 1))
-        await syncer.settle()
-        assert error_code(control) == "GROUP_NOT_READY"
+        await syncer.advance(ATTACH_TIMEOUT_S + 0.1)
+        assert error_code(control) == "HANDSHAKE_TIMEOUT"
         assert coordinator.of_type(MessageReceived) == []
 
     run(scenario)

@@ -24,6 +24,9 @@ The rules it enforces (PINNED.md § HELLO and DATA_HELLO, § Striping):
   (``HANDSHAKE_TIMEOUT``); once they are, :class:`~yeto_sync.events.GroupReady` is queued;
 - messages of a group that is not ready yet are held (at most ``MAX_HELD_MESSAGES``) and
   delivered right after its ``GroupReady``, so the coordinator only hears from ready groups;
+  once that many are held its sockets read nothing more (TCP pushes back on the learner) until
+  it is ready: learner 0 sends an INIT of every fragment at once, and a data socket whose
+  DATA_HELLO comes a retransmission late must not end its run;
 - CHUNKs from any socket of a group, stream 0 included, go to the group's reassembler; in an
   f32 session each CHUNK's values (and an unstriped PUSH's or INIT's, when read in place) are
   also checked for NaN/inf read by read as they land (:mod:`.finite_scan`), and the verdict
@@ -392,9 +395,19 @@ class ConnectionGroups:
         return self._take_wire()
 
     def next_read(self, conn: ConnId, scratch: memoryview) -> tuple[memoryview, bool]:
-        """Where ``conn``'s next read goes (:meth:`FrameDecoder.next_read`): in place or not."""
+        """Where ``conn``'s next read goes (:meth:`FrameDecoder.next_read`): in place or not.
+        Empty while the socket may not read (the transport waits for a wake-up)."""
         sock = self._sockets.get(conn)
-        return (scratch, False) if sock is None else sock.decoder.next_read(scratch)
+        if sock is None:
+            return scratch, False
+        if self._waits_for_ready(sock):
+            return scratch[:0], False
+        return sock.decoder.next_read(scratch)
+
+    def _waits_for_ready(self, sock: _Socket) -> bool:
+        """``sock``'s group is still attaching and holds all the messages it may."""
+        group = None if sock.group is None else self._groups.get(sock.group)
+        return group is not None and not group.ready and len(group.held) >= MAX_HELD_MESSAGES
 
     def receive_direct(self, conn: ConnId, count: int, now: float) -> list[WireCommand]:
         """``count`` bytes were read in place, into :meth:`next_read`'s view (``count`` > 0)."""
@@ -620,7 +633,7 @@ class ConnectionGroups:
     def holds_frames(self, conn: ConnId) -> bool:
         """``conn``'s decoder has frames (or its EOF, or its failure) not handed on yet."""
         sock = self._sockets.get(conn)
-        return sock is not None and sock.decoder.has_output
+        return sock is not None and sock.decoder.has_output and not self._waits_for_ready(sock)
 
     def drain(self, conn: ConnId, now: float) -> list[WireCommand]:
         """Hand on what ``conn``'s decoder holds, as far as the backlog bound allows."""
@@ -632,13 +645,14 @@ class ConnectionGroups:
 
     @property
     def holds_any(self) -> bool:
-        """Some socket holds what the bounded backlog left there (see :meth:`drain_held`)."""
+        """Some socket holds frames to hand on as room appears (see :meth:`drain_held`)."""
         return bool(self._held)
 
     def drain_held(self, now: float) -> list[WireCommand]:
         """Hand on what the bounded backlog left in any socket, oldest first, while there is
         room: their readers may be waiting for bytes that never come (frames behind a HELLO,
-        held until admission; an EOF after the last read)."""
+        held until admission; an EOF after the last read). The sockets of a group that became
+        ready after it held all it may (:meth:`next_read`) are handed on here too."""
         self._now = now
         for conn in list(self._held):
             if not self._room_for_events():
@@ -668,6 +682,8 @@ class ConnectionGroups:
                 if sock.decoder.has_output:
                     self._held.setdefault(sock.conn)  # keeps its place if held already
                 return
+            if self._waits_for_ready(sock):
+                return  # its frames stay decoded until the group is ready (or closed)
             if sock.decoder.large_hello_next:
                 self._note_large_hello(sock)
                 if not self._large_hello_turn(sock.conn):
@@ -789,6 +805,11 @@ class ConnectionGroups:
         self.events.append(GroupReady(group.key))
         held, group.held = group.held, []
         self.events.extend(held)
+        if len(held) >= MAX_HELD_MESSAGES:  # its sockets stopped: their frames go on from here
+            for conn in group.members():
+                sock = self._sockets[conn]
+                if sock.decoder.has_output:
+                    self._held.setdefault(conn)  # handed on by drain_held, as room allows
 
     def _deliver(self, group: _Group, message: AnyMessage) -> None:
         finite: bool | None = None
@@ -806,13 +827,8 @@ class ConnectionGroups:
         event = MessageReceived(group.key, message, finite)
         if group.ready:
             self.events.append(event)
-        elif len(group.held) < MAX_HELD_MESSAGES:
+        else:  # at most MAX_HELD_MESSAGES: _drain stops at that many
             group.held.append(event)
-        else:
-            raise RemoteProtocolError(
-                ErrorCode.GROUP_NOT_READY,
-                f"more than {MAX_HELD_MESSAGES} messages before every data stream attached",
-            )
 
     def _fail(self, sock: _Socket, error: ProtocolError) -> None:
         """A protocol error on ``sock``: ERROR there, then close it and its group."""

@@ -15,7 +15,7 @@ import anyio
 from yeto_proto import AnyMessage, ErrorMessage, Limits, encode, encode_bytes
 
 from ..driver import CoordinatorLike, Driver, Outputs
-from ..events import ConnId, Event, GroupKey
+from ..events import ConnId, Event, GroupKey, GroupReady
 from ..payload_progress import PayloadProgress
 from .group import ConnectionGroups, Hangup, LogFn, Transmit, WireCommand
 
@@ -143,7 +143,14 @@ class MemoryTransport:
         deadline = self.groups.next_deadline()
         if deadline is not None and deadline <= self.clock.now():
             self._apply(self.groups.expire(self.clock.now()))
-        return self.groups.pop_event()
+        event = self.groups.pop_event()
+        if isinstance(event, GroupReady):
+            # Its sockets may have stopped once it held all it may: the frames they decoded
+            # go on, then the bytes they left unread.
+            if self.groups.holds_any:
+                self._apply(self.groups.drain_held(self.clock.now()))
+            self._read_unread()
+        return event
 
     # -- the Transport protocol ------------------------------------------------------------
     def admit(self, conn: ConnId, group: GroupKey, num_streams: int, limits: Limits) -> None:

@@ -61,7 +61,7 @@ import anyio.lowlevel
 from yeto_proto import AnyMessage, BcastFragment, ErrorMessage, FinalFragment, Limits, encode
 from yeto_proto.frames import Buffers, OutgoingBuffers
 
-from ..events import ConnId, Event, GroupKey
+from ..events import ConnId, Event, GroupKey, GroupReady
 from ..payload_progress import PayloadProgress, PayloadWithdrawn
 from ..receive_watermark import READ_WATERMARK_CAP, ReceiveWatermark
 from ..socket_liveness import SILENCE_FACTOR, bound_silence
@@ -499,6 +499,8 @@ class TcpTransport:
                     if self.groups.holds_any:  # rarely: checked on the driver's every event
                         self._apply(self.groups.drain_held(self.clock.now()))
                     self._room.set()
+                if isinstance(event, GroupReady):
+                    self._wake_held_back()  # its sockets may have stopped reading until now
                 return event
             now = self.clock.now()
             deadline = self.groups.next_deadline()
@@ -525,7 +527,10 @@ class TcpTransport:
     # -- the Transport protocol --------------------------------------------------------------
     def admit(self, conn: ConnId, group: GroupKey, num_streams: int, limits: Limits) -> None:
         self._apply(self.groups.admit(conn, group, num_streams, limits, self.clock.now()))
-        # Its sockets may read now; held-back sockets are few, and admissions rare.
+        self._wake_held_back()  # its sockets may read now
+
+    def _wake_held_back(self) -> None:
+        """Let every held-back reader look again (they are few, and admissions rare)."""
         for peer in self._peers.values():
             if peer.held_back is not None:
                 peer.held_back.set()
@@ -811,8 +816,8 @@ class TcpTransport:
                     # backlog is full (4 MiB of HEARTBEATs were ~90 MiB of frame objects).
                     into = into[:SCRATCH_READ_BYTES]
                 if not into:
-                    # The socket holds all it may before its group is settled: read nothing
-                    # (TCP pushes back on the peer) until admission or the attach deadline.
+                    # The socket holds all it may before its group is settled or ready: read
+                    # nothing (TCP pushes back on the peer) until then or the attach deadline.
                     if not await self._held_back(peer):
                         reason = "peer closed while its socket waited for its group"
                         self._apply(self.groups.lost(conn, reason))
