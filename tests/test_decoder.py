@@ -50,7 +50,7 @@ from yeto_proto import (
     decode_payload,
     encode_bytes,
 )
-from yeto_proto.decoder import HELD_BYTES_CAP
+from yeto_proto.decoder import HELD_BYTES_CAP, PARSED_AHEAD
 from yeto_proto.frames import header
 
 MAGIC = struct.pack("<I", 0xD170C0DE)
@@ -798,6 +798,55 @@ def test_without_a_key_nothing_is_appended_and_data_hello_is_never_signed() -> N
     decoder.feed(encode_bytes(DataHello(1, 7, 0), hello_key=KEY))
     assert decoder.frames() == [DataHello(1, 7, 0)]
     assert decode_payload(FrameType.HELLO, memoryview(RawHello().payload())) == hello()
+
+
+# -- frames parsed ahead -------------------------------------------------------------------------
+
+
+def test_a_read_of_tiny_frames_waits_as_bytes_not_as_parsed_frames() -> None:
+    """10,000 HEARTBEATs in one feed were 10,000 parsed frames at once, some 12x their bytes,
+    for as long as the reader waited to hand them on (the syncer's full backlog)."""
+    frames = [Heartbeat(1, step) for step in range(10_000)]
+    data = b"".join(encode_bytes(frame) for frame in frames)
+    decoder = syncer_decoder()
+    tracemalloc.start()
+    try:
+        decoder.feed(data)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 1.5 * len(data) + PARSED_AHEAD * 1024, (held, len(data))
+    assert decoder.frames() == frames
+
+
+def test_bytes_fed_behind_waiting_ones_come_out_in_order_and_eof_after_them() -> None:
+    frames = [Heartbeat(1, step) for step in range(3 * PARSED_AHEAD)]
+    data = b"".join(encode_bytes(frame) for frame in frames)
+    more = [InitParams(0, bytes(4 * SMALL))]
+    decoder = syncer_decoder()
+    decoder.feed(data)
+    assert decoder.writable() is None  # the bytes that wait come before any read in place
+    out: list[AnyMessage] = [decoder.next_frame()]  # type: ignore[list-item]
+    tail = encode_bytes(more[0]) + encode_bytes(frames[0])
+    decoder.feed(tail[:30])  # split inside a frame, behind the waiting bytes
+    decoder.feed(tail[30:])
+    decoder.feed(b"")
+    out += decoder.frames()
+    assert out == [*frames, *more, frames[0]]
+    assert decoder.next_frame() is CLOSED
+
+
+def test_an_error_behind_waiting_bytes_comes_after_the_frames_before_it() -> None:
+    good = [Heartbeat(1, step) for step in range(2 * PARSED_AHEAD)]
+    decoder = syncer_decoder()
+    decoder.feed(b"".join(encode_bytes(frame) for frame in good) + raw_header(0x7F, 0))
+    out = []
+    with pytest.raises(RemoteProtocolError) as caught:
+        while True:
+            item = decoder.next_frame()
+            assert not isinstance(item, type(NEED_DATA)), out
+            out.append(item)
+    assert out == good and caught.value.code is ErrorCode.UNKNOWN_FRAME_TYPE
 
 
 # -- end of stream and poisoning ------------------------------------------------------------------

@@ -52,6 +52,10 @@ BULK_PAYLOAD = 64 << 10
 #: The most bytes a syncer's decoder holds after the first frame while it waits for the session
 #: limits; :meth:`FrameDecoder.next_read` then asks for no more (the reader stops reading).
 HELD_BYTES_CAP = 1 << 20
+#: Frames a decoder parses ahead of :meth:`FrameDecoder.next_frame`; the rest of a read waits
+#: as bytes. A parsed frame costs some 300 bytes of objects, so a read of tiny frames kept whole
+#: (10,000 HEARTBEATs in 256 KiB) would cost over ten times its size while its reader waits.
+PARSED_AHEAD = 64
 
 
 class ChunkSink(Protocol):
@@ -203,6 +207,10 @@ class FrameDecoder:
         #: (msg_id, total_len, offset) of a CHUNK whose data goes to the sink's buffer.
         self._placing: tuple[int, int, int] | None = None
         self._stash: bytearray | None = None  # bytes waiting for set_limits
+        #: Bytes after PARSED_AHEAD parsed frames, from ``_unparsed_at`` on: parsed once those
+        #: are taken.
+        self._unparsed: bytearray | None = None
+        self._unparsed_at = 0
         self._error: _Failure | None = None
         self._eof = False
         self._hello_step = hello_step_bytes
@@ -220,6 +228,7 @@ class FrameDecoder:
             or self._payload is not None
             or self._frame_type is not None
             or bool(self._stash)
+            or self._unparsed is not None
         )
 
     @property
@@ -265,7 +274,7 @@ class FrameDecoder:
         self._limits = limits
         stash, self._stash = self._stash, None
         if stash:
-            self._consume(memoryview(stash))
+            self._consume_or_keep(stash)
 
     # -- input -----------------------------------------------------------------------------
     def feed(self, data: bytes | bytearray | memoryview) -> None:
@@ -287,14 +296,30 @@ class FrameDecoder:
         if self._stash is not None:
             self._stash += view
             return
-        self._consume(view)
+        if self._unparsed is not None:  # behind the bytes that wait
+            if self._unparsed_at > len(self._unparsed) // 2:
+                del self._unparsed[: self._unparsed_at]
+                self._unparsed_at = 0
+            self._unparsed += view
+            return
+        used = self._consume(view)
+        if used < len(view):
+            self._unparsed, self._unparsed_at = bytearray(view[used:]), 0
+
+    def _consume_or_keep(self, data: bytearray, at: int = 0) -> None:
+        """Parse our own bytes ``data`` from ``at``; what waits for frames to be taken stays."""
+        with memoryview(data) as whole, whole[at:] as view:
+            at += self._consume(view)
+        if at < len(data):
+            self._unparsed, self._unparsed_at = data, at
 
     @property
     def held_bytes(self) -> int:
         """Bytes fed after a syncer's first frame and held, unparsed, until set_limits."""
         return 0 if self._stash is None else len(self._stash)
 
-    def _consume(self, view: memoryview) -> None:
+    def _consume(self, view: memoryview) -> int:
+        """Parse ``view``; the bytes used: all of them, unless PARSED_AHEAD frames wait."""
         pos, end = 0, len(view)
         while pos < end:
             if self._payload is None:
@@ -302,12 +327,12 @@ class FrameDecoder:
                 self._head += view[pos : pos + take]
                 pos += take
                 if len(self._head) < self._head_size():
-                    return
+                    return end
                 try:
                     self._start_frame()
                 except ProtocolError as exc:
                     self._error = _Failure.of(exc)
-                    return
+                    return end
                 if self._payload is None:  # a CHUNK's envelope is next
                     continue
             else:
@@ -320,7 +345,10 @@ class FrameDecoder:
                 self._finish_frame()
                 if self._awaiting_limits():
                     self._stash = bytearray(view[pos:])
-                    return
+                    return end
+                if len(self._ready) >= PARSED_AHEAD:
+                    return pos
+        return end
 
     def _awaiting_limits(self) -> bool:
         return self.receiver is Role.SYNCER and self._limits is None and not self._first_pending
@@ -377,7 +405,13 @@ class FrameDecoder:
         bytes back for :meth:`set_limits`. After writing ``n`` bytes there, call
         :meth:`wrote`. This skips the copy that :meth:`feed` makes, for large payloads.
         """
-        if self._payload is None or self._error is not None or self._eof or self._stash:
+        if (
+            self._payload is None
+            or self._error is not None
+            or self._eof
+            or self._stash
+            or self._unparsed is not None
+        ):
             return None
         return self._payload[self._filled :]
 
@@ -394,6 +428,7 @@ class FrameDecoder:
             or self._error is not None
             or self._eof
             or self._stash
+            or self._unparsed is not None
             or self._last_payload < BULK_PAYLOAD
         ):
             return 0
@@ -480,6 +515,9 @@ class FrameDecoder:
             return self._read_hello_on()
         if self._ready:
             item = self._ready.popleft()
+            if not self._ready and self._unparsed is not None:  # so has_output stays true
+                unparsed, self._unparsed = self._unparsed, None
+                self._consume_or_keep(unparsed, self._unparsed_at)
             if isinstance(item, Chunk):
                 return item
             frame_type, payload = item
@@ -537,6 +575,7 @@ class FrameDecoder:
         self._error = _Failure.of(exc)
         self._ready.clear()
         self._stash = None
+        self._unparsed = None
 
     def frames(self) -> list[AnyMessage]:
         """Every frame decodable now (convenience for tests and simple loops)."""
