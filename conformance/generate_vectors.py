@@ -7226,6 +7226,16 @@ def layout_file_tests() -> list[Json]:
         for f in good["fragments"]
     ]
     wrong_digit = fingerprint[:-1] + ("0" if fingerprint[-1] != "0" else "1")
+    first_shape = first["tensors"][0]["shape"]
+    head, *tail = named.fragments
+    renamed = Tensor("w\U0001f600", head.tensors[0].shape)
+    pair = NamedLayout((Fragment(head.mode, (renamed, *head.tensors[1:])), *tail))
+
+    def with_dimension_token(token: bytes) -> bytes:
+        """``good`` whose first tensor's first dimension is written as ``token`` verbatim."""
+        shape = ["DIMENSION", *first_shape[1:]]
+        return text(with_tensor(shape=shape)).replace(b'"DIMENSION"', token)
+
     return [
         ok("as yeto writes it", text({**good, "fingerprint": fingerprint}), named, "Normal"),
         ok("without the optional fingerprint", text(good), named, "Normal"),
@@ -7283,6 +7293,18 @@ def layout_file_tests() -> list[Json]:
             text({**good, "fingerprint": wrong_digit}),
         ),
         bad("the fingerprint in upper case", text({**good, "fingerprint": fingerprint.upper()})),
+        # Added after the first release of this group: at the end, so no tcId moves. A
+        # dimension is judged by its token: an exponent form is a defect even when its value
+        # is a whole number in range.
+        bad("a dimension 4e0 (an exponent, value 4)", with_dimension_token(b"4e0")),
+        bad("a dimension 1E1 (an exponent, value 10)", with_dimension_token(b"1E1")),
+        bad("a dimension 40e-1 (a negative exponent, value 4)", with_dimension_token(b"40e-1")),
+        bad("a dimension -0", with_dimension_token(b"-0"), "Boundary"),
+        ok(
+            "a name spelled with a surrogate pair escape (\\ud83d\\ude00 is U+1F600)",
+            json.dumps(with_tensor(name="w\U0001f600")).encode("ascii"),
+            pair,
+        ),
     ]
 
 
