@@ -5654,6 +5654,35 @@ def syncer_session_file() -> Json:
             "NewGeneration",
             code="DUPLICATE_BUDGET_DONE",
         ),
+        # Added after the first release of this group: at the end, so no tcId moves.
+        session_test(
+            "BUDGET_DONE with 99 steps; the budget is 100",
+            START,
+            (0, 1),
+            budget_done(99)[0],
+            "fatal",
+            "Normal",
+            code="BUDGET_MISMATCH",
+        ),
+        session_test(
+            "BUDGET_DONE with 0 steps before the session has started; the budget is 100",
+            [member_hello(0, 1)],
+            (0, 1),
+            budget_done(0)[0],
+            "fatal",
+            "Boundary",
+            code="BUDGET_MISMATCH",
+        ),
+        session_test(
+            "learner 0's report was accepted; it reports again with 101 steps: the step count "
+            "(closure.md § 2, second row) is checked before the duplicate (third row)",
+            reported,
+            (0, 1),
+            budget_done(101)[0],
+            "fatal",
+            "CheckOrder",
+            code="BUDGET_MISMATCH",
+        ),
     ]
     final_cut = [*START, *commit(1), *commit(2)]
     finalizing = [
