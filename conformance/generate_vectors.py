@@ -2413,8 +2413,18 @@ def budget_done_file() -> Json:
     body = budget_done(100)[0][HEADER_SIZE:]
     tests = [
         valid("100 local steps", budget_done(100), "Normal"),
-        valid("1 local step", budget_done(1), "Boundary"),
-        valid("2^64-1 local steps", budget_done(U64_MAX), "Boundary"),
+        # tcIds 2 and 3 were valid in earlier releases; a syncer with the context's budget
+        # refuses them, as it does tcId 4, so they are acceptable like it (same bytes).
+        acceptable(
+            "1 local step: the budget is 100", budget_done(1), "BUDGET_MISMATCH", "Boundary"
+        ),
+        acceptable(
+            "2^64-1 local steps: the budget is 100 (a budget is at most 2^32-1, so this never "
+            "matches one)",
+            budget_done(U64_MAX),
+            "BUDGET_MISMATCH",
+            "Boundary",
+        ),
         acceptable(
             "0 steps: the budget is 100 (a budget is positive, so 0 never matches one)",
             budget_done(0),
@@ -2448,15 +2458,38 @@ def budget_done_file() -> Json:
     # The coordinator's verdict on a report depends on the syncer's budget: without one every
     # BUDGET_DONE is BUDGET_NOT_CONFIGURED, with one any other step count is BUDGET_MISMATCH.
     budgeted = S_F32.context("syncer", num_learners=4, learner_budget_steps=100)
+    # Added later as groups of their own, so no tcId moves: the step counts at the ends of the
+    # budget's range are valid under a budget they match.
+    smallest = [valid("1 local step: the budget is 1", budget_done(1), "Boundary")]
+    largest = [
+        valid(
+            "2^32-1 local steps: the budget is 2^32-1, the largest",
+            budget_done(U32_MAX),
+            "Boundary",
+        ),
+        acceptable(
+            "2^32 local steps: one over the budget 2^32-1 (compared as u64, not cut to u32)",
+            budget_done(U32_MAX + 1),
+            "BUDGET_MISMATCH",
+            "Boundary",
+            "IntegerOverflow",
+        ),
+    ]
     return vector_file(
         "BUDGET_DONE",
         [
             "BUDGET_DONE (type 14, learner -> syncer): exact_local_steps:u64; exactly 8 bytes.",
-            "The syncer runs with --learner-budget-steps 100 (context learner_budget_steps).",
+            "Each syncer group's context gives the syncer's --learner-budget-steps",
+            "(learner_budget_steps): a report of exactly that many steps is valid, any other",
+            "count is acceptable with BUDGET_MISMATCH.",
         ],
         [
             frame_group(budgeted, tests),
             frame_group(S_F32.context("learner"), to_learner),
+            frame_group(S_F32.context("syncer", num_learners=4, learner_budget_steps=1), smallest),
+            frame_group(
+                S_F32.context("syncer", num_learners=4, learner_budget_steps=U32_MAX), largest
+            ),
         ],
     )
 
