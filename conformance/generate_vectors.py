@@ -2924,6 +2924,15 @@ def chunk_sequences_file() -> Json:
             "HugeLength",
             code="CHUNK_TOTAL_CHANGED",
         ),
+        # Added after the first release of this group: at the end, so no tcId moves.
+        sequence(
+            "an inner PULL_REQ (syncer -> learner) at the syncer: never striped (rule 12) "
+            "before its direction (rule 13)",
+            bad_inner(pull_req(0, 1, 0)[0]),
+            "CheckOrder",
+            "Direction",
+            code="BAD_INNER_FRAME",
+        ),
     ]
     bcast_inner, bcast_json = versioned_fragment(
         BCAST_FRAGMENT, 1, 2, S_BF16.bulk(1, "seq/bcast")
@@ -2964,6 +2973,15 @@ def chunk_sequences_file() -> Json:
             bad_inner(versioned_fragment(FINAL_FRAGMENT, 1, 2, S_BF16.bulk(1, "x"))[0]),
             "SessionSize",
             code="BAD_TENSOR_LENGTH",
+        ),
+        # Added after the first release of this group: at the end, so no tcId moves.
+        sequence(
+            "an inner HEARTBEAT (learner -> syncer) at a learner: never striped (rule 12) "
+            "before its direction (rule 13)",
+            bad_inner(heartbeat_inner),
+            "CheckOrder",
+            "Direction",
+            code="BAD_INNER_FRAME",
         ),
     ]
     wide_inner, _ = push_fragment(S_WIDE.push_delta(0, "seq/wide"))
