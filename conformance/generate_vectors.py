@@ -110,6 +110,8 @@ FLAG_NOTES = {
     "Normal": "An ordinary, typical case.",
     "OutOfOrder": "CHUNKs arrive in another order than they were sent.",
     "Pipeline": "A later round completed before a lower one and waits for its commit.",
+    "Subnormal": "A value below 2^-126 (an f32 subnormal): kept and rounded to nearest even, "
+    "never flushed to zero.",
     "Sends": "The test states the exact frames the syncer queues in response to an event "
     "(sends): to which groups, in which order per group, and nothing else.",
     "Padding": "The last q4 block is zero-padded to 256 values.",
@@ -3389,6 +3391,53 @@ def q4_decode_test(
     return test
 
 
+def q4_subnormal_decode_tests() -> list[Json]:
+    """Products m * scale that land below 2^-126: exact, or rounded to nearest even, never
+    flushed to zero. Each expectation is checked here against its hand-derived f32 bits."""
+
+    def scale_bits(bits: int) -> bytes:
+        return struct.pack("<I", bits)
+
+    cases = [
+        (
+            "a subnormal scale 2^-140: levels 1..7 and their negatives decode to the exact "
+            "subnormals +-2^-146 .. +-2^-140 (a decoder that flushes subnormals gives zeros)",
+            0x00000200,
+            [1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15],
+            [0x008 << (i - 1) for i in range(1, 8)]
+            + [0x80000000 | (0x008 << (i - 1)) for i in range(1, 8)],
+        ),
+        (
+            "scale 3 * 2^-149: 1.5, 0.75 and 0.375 units of 2^-149 round to nearest even "
+            "(2, 1 and 0 units), with the sign of m",
+            0x00000003,
+            [6, 5, 4, 14, 13, 12],
+            [0x00000002, 0x00000001, 0x00000000, 0x80000002, 0x80000001, 0x80000000],
+        ),
+        (
+            "scale 2^-149, the smallest subnormal: level 7 keeps it; level 6 is half a unit, "
+            "a tie that rounds to the even 0 (+0.0, and -0.0 with the sign)",
+            0x00000001,
+            [7, 6, 14, 1],
+            [0x00000001, 0x00000000, 0x80000000, 0x00000000],
+        ),
+        (
+            "a normal scale, 2^-126 plus one ulp: halved it is 2^-127 plus half a unit, a tie "
+            "that rounds to the even 2^-127; quartered, a quarter unit that rounds down",
+            0x00800001,
+            [7, 6, 5],
+            [0x00800001, 0x00400000, 0x00200000],
+        ),
+    ]
+    tests = []
+    for comment, scale, nibbles, expected in cases:
+        data = q4_block(scale_bits(scale), nibbles)
+        got = q4_decode(data, len(nibbles)).astype("<f4").view("<u4").tolist()
+        assert got == expected, (comment, [hex(b) for b in got])
+        tests.append(q4_decode_test(comment, data, len(nibbles), "Boundary", "Subnormal"))
+    return tests
+
+
 def q4_level(ratio_bits: int) -> int:
     """The level the reference encoder gives a ratio |x|/scale (as f32 bits) in (0, 1]."""
     ratio = np.array([ratio_bits], dtype=np.uint32).view(np.float32)
@@ -3635,6 +3684,8 @@ def codecs_file() -> Json:
         q4_decode_test(
             "one block for 257 values", golden, 257, "SessionSize", code="BAD_TENSOR_LENGTH"
         ),
+        # Added after the first release of this group: at the end, so no tcId moves.
+        *q4_subnormal_decode_tests(),
     ]
     return vector_file(
         "codecs",
