@@ -330,6 +330,22 @@ def test_rda_cancelling_directions_fall_back_to_avg() -> None:
     assert_bits(merged_outer_gradient(geometry, all_zero, zeros(1), NO_CORRECTION), [0.0])
 
 
+def test_rda_of_a_delta_with_a_subnormal_norm_is_finite() -> None:
+    """f32(w/S/n) of a Δ_m whose norm is ~1e-40 is infinite: inf · 0 made the commit fail
+    (the syncer exited 1, again on resume) where the pinned result is finite."""
+    tiny = np.array([1e-40, 0.0, 0.0, -2e-41], np.float32)
+    alone = merged_outer_gradient(
+        fragment(MergeMode.RDA, (1, 4)), [response(0, tiny)], zeros(4), NO_CORRECTION
+    )
+    np.testing.assert_allclose(alone, tiny, rtol=1e-5, atol=0)
+    other = np.array([0.5, -0.25, 1.0, 0.0], np.float32)
+    rs = [response(0, other, tokens=4), response(1, tiny, tokens=9)]
+    out = merged_outer_gradient(fragment(MergeMode.RDA, (1, 4)), rs, zeros(4), NO_CORRECTION)
+    weights = [ref_weight(r, LearnerWeight.TOKENS2_OVER_STEPS) for r in rs]
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref_rda([other, tiny], weights), rtol=2e-6, atol=1e-30)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_rda_matches_reference_per_tensor(seed: int) -> None:
     grads = random_grads(100 + seed, 3, 12)

@@ -71,6 +71,8 @@ HELOCO_KAPPA: Final = 3.0
 HELOCO_EPS: Final = 1e-8
 #: Below this mean-direction norm rda falls back to avg.
 RDA_DEGENERATE_NORM: Final = 1e-12
+#: The least f64 that rounds to an infinite f32: halfway between the largest f32 and 2^128.
+F32_OVERFLOW: Final = float.fromhex("0x1.ffffffp+127")
 #: Iso keeps singular directions with σ > σ_max · max(rows, cols) · 2^-52.
 ISO_RELATIVE_CUTOFF: Final = 2.0**-52
 #: Elements per pass of the blocked loops: 1 MiB of f32 / 2 MiB of f64 stays in cache.
@@ -588,7 +590,9 @@ def _rda_into(
     norms = [_norm(t.array) for t in terms]
     radial = _sequential_sum(w * n for w, n in zip(weights, norms, strict=True)) / weight_sum
     moving = [
-        (t, w / weight_sum / n) for t, w, n in zip(terms, weights, norms, strict=True) if n > 0.0
+        _rda_direction_term(t, w / weight_sum / n)
+        for t, w, n in zip(terms, weights, norms, strict=True)
+        if n > 0.0
     ]
     direction_norm = _accumulate_into(
         out, [t for t, _ in moving], [c for _, c in moving], norm=True
@@ -598,6 +602,17 @@ def _rda_into(
         _accumulate_into(out, terms, avg_coefs)
         return
     out *= np.float32(radial / direction_norm)
+
+
+def _rda_direction_term(term: Term, coef: float) -> tuple[Term, float]:
+    """``term`` and its coefficient f32(w/S/n) in the direction sum. A Δ_m whose norm is
+    subnormal (below ~3e-38) has a coefficient past the largest f32: rounded first it is
+    infinite, and inf · 0 made the commit fail on a finite result. Such a term is scaled in
+    f64 and rounded once per element (at most w/S in size), then summed with coefficient 1."""
+    if coef < F32_OVERFLOW:
+        return term, coef
+    scaled = (term.array.astype(np.float64) * coef).astype(np.float32)
+    return Term(scaled, term.negated), 1.0
 
 
 def _iso_into(
