@@ -157,6 +157,33 @@ def test_bad_startup_input_is_one_line_and_exit_2(flags: list[str], words: str) 
     assert line.startswith("yeto-sync: error: ") and words in line
 
 
+@pytest.mark.parametrize(
+    ("first", "second", "names"),
+    [
+        # The tape was appended to the checkpoint it resumed from: unreadable after a crash,
+        # every tape line dropped by the next checkpoint's rename otherwise.
+        (("--checkpoint-path", "ck"), ("--event-tape", "sub/../ck"), "--checkpoint-path"),
+        (("--final-state", "out"), ("--event-tape", "out"), "--final-state"),
+        (("--checkpoint-path", "ck"), ("--final-state", "ck.final"), "final marker"),
+        (("--final-state", "out"), ("--event-tape", "link"), "--event-tape"),  # a hard link
+        (("--checkpoint-path", "ck"), ("--event-tape", "alias"), "--event-tape"),  # a symlink
+    ],
+)
+def test_two_outputs_naming_one_file_are_refused(
+    tmp_path: Path, first: tuple[str, str], second: tuple[str, str], names: str
+) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "out").write_bytes(b"")
+    os.link(tmp_path / "out", tmp_path / "link")
+    (tmp_path / "alias").symlink_to(tmp_path / "ck")  # dangling: ck does not exist yet
+    flags = [f"{flag}={tmp_path / name}" for flag, name in (first, second)]
+    result = yeto_sync("--learners=1", "--total-steps=4", *flags)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.endswith("name the same file") and names in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alias", "link", "out", "sub"]
+
+
 def test_refuses_to_start_beside_an_earlier_runs_final_marker(tmp_path: Path) -> None:
     """A new run could write a checkpoint at the step the stale marker names: it would read
     as a final cut."""

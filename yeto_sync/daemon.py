@@ -319,6 +319,26 @@ def check_output_paths(config: SyncerConfig) -> None:
             raise BadInput(f"{flag} {path}: no directory {directory}")
         if not os.access(directory, os.W_OK | os.X_OK):
             raise BadInput(f"{flag} {path}: directory {directory} is not writable")
+    if config.checkpoint_path is not None:
+        outputs["the final marker of --checkpoint-path"] = marker_path(config.checkpoint_path)
+    named = [(flag, path) for flag, path in outputs.items() if path is not None]
+    for index, (flag, path) in enumerate(named):
+        for other_flag, other in named[index + 1 :]:
+            if _same_file(path, other):
+                # A tape appended to the checkpoint damaged it until the next rename, which
+                # then dropped every tape line; a final state would replace the checkpoint.
+                raise BadInput(f"{flag} {path} and {other_flag} {other} name the same file")
+
+
+def _same_file(first: Path, second: Path) -> bool:
+    """The two names reach one file: the same name once symlinks and ``..`` are resolved
+    (a file that does not exist yet), or the same inode (a hard link)."""
+    if first.resolve() == second.resolve():
+        return True
+    try:
+        return os.path.samefile(first, second)
+    except OSError:  # either does not exist (yet): different names, different files
+        return False
 
 
 def remove_orphaned_temporaries(config: SyncerConfig) -> None:
