@@ -761,6 +761,16 @@ def test_ledger_accumulates_per_learner_id() -> None:
     assert twice == {1: LedgerEntry(2, 3, 2)}
 
 
+def test_ledger_counts_stop_at_the_largest_u64() -> None:
+    """Two legal PUSHes of c_tokens 2^63 made a count the checkpoint writer refuses: every
+    write of the run failed, and a resumed checkpoint at the limit failed the same way."""
+    top = (1 << 64) - 1
+    pushes = [response(0, [0.0], tokens=1 << 63), response(0, [0.0], gen=2, tokens=1 << 63)]
+    assert update_ledger({}, pushes) == {0: LedgerEntry(2, 2, top)}
+    at_limit = update_ledger({5: (top, top - 1, 7)}, [response(5, [0.0], steps=3, tokens=1)])
+    assert at_limit == {5: LedgerEntry(top, top, 8)}
+
+
 def test_gnorm_is_the_f64_l2_norm() -> None:
     delta = f32([3.0, 4.0, 1e-4])
     assert gnorm(delta) == pytest.approx(ref_norm(delta), rel=1e-15)

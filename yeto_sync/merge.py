@@ -71,6 +71,8 @@ HELOCO_KAPPA: Final = 3.0
 HELOCO_EPS: Final = 1e-8
 #: Below this mean-direction norm rda falls back to avg.
 RDA_DEGENERATE_NORM: Final = 1e-12
+#: Where the ledger's counts stop: a u64 in the checkpoint.
+LEDGER_MAX: Final = (1 << 64) - 1
 #: The least f64 that rounds to an infinite f32: halfway between the largest f32 and 2^128.
 F32_OVERFLOW: Final = float.fromhex("0x1.ffffffp+127")
 #: Iso keeps singular directions with σ > σ_max · max(rows, cols) · 2^-52.
@@ -822,13 +824,17 @@ def update_ledger(
 ) -> dict[int, LedgerEntry]:
     """A new ledger with each response counted: merges + 1, steps + c_steps, tokens + c_tokens.
 
-    Keyed by learner id across generations; ``ledger`` itself is left as it was.
+    Keyed by learner id across generations; ``ledger`` itself is left as it was. Each count
+    stops at 2^64 - 1, its checkpoint field's largest value: two legal PUSHes of c_tokens 2^63
+    made one that no checkpoint could hold, and every write of the run failed.
     """
     updated = {learner: LedgerEntry(*entry) for learner, entry in ledger.items()}
     for response in responses:
         merges, steps, tokens = updated.get(response.learner_id, LedgerEntry(0, 0, 0))
         updated[response.learner_id] = LedgerEntry(
-            merges + 1, steps + response.c_steps, tokens + response.c_tokens
+            min(merges + 1, LEDGER_MAX),
+            min(steps + response.c_steps, LEDGER_MAX),
+            min(tokens + response.c_tokens, LEDGER_MAX),
         )
     return updated
 
