@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,25 @@ def test_inspect_reads_legacy_formats(
     for info in (v1, v2):
         assert info["global_step"] == 4 and info["trailer_bytes"] == 0
         assert [f["numel"] for f in info["fragments"]] == [12, 6]
+
+
+def test_inspect_reports_the_size_of_the_file_it_decoded(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A syncer replacing the checkpoint between the read and a second stat made inspect show
+    one file's step beside the other's size."""
+    path, decoded_size = files["v3"], files["v3"].stat().st_size
+    real_read = checkpoint_cli.read_checkpoint
+
+    def read_then_replace(name: Path, *, mapped: bool = False) -> Checkpoint:
+        checkpoint = real_read(name, mapped=mapped)
+        write_checkpoint(path, replace(v3_checkpoint(model_layout(), 9), ledger=()))
+        return checkpoint
+
+    monkeypatch.setattr(checkpoint_cli, "read_checkpoint", read_then_replace)
+    info = inspect_json(capsys, path)
+    assert (info["global_step"], info["size_bytes"]) == (4, decoded_size)
+    assert path.stat().st_size != decoded_size
 
 
 def test_inspect_shows_the_final_marker_state(

@@ -25,7 +25,6 @@ from yeto_proto.checkpoint import (
     TrailerKind,
     atomic_replace,
     export_tensors,
-    io_error,
     iso_backend_name,
     load_layout,
     marker_path,
@@ -130,10 +129,8 @@ def _out_path(text: str) -> Path:
 def describe(path: Path) -> dict[str, Any]:
     """Everything ``inspect`` reports, as JSON-ready values (array contents excluded)."""
     checkpoint = read_checkpoint(path, mapped=True)
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise io_error(path, exc, section="open") from None
+    # The size of the file decoded: a second stat could find the syncer's next checkpoint.
+    size = checkpoint.file_size
     marker = marker_state(path, checkpoint.global_step)
     step, count = checkpoint.global_step, checkpoint.num_fragments
     fragments = [

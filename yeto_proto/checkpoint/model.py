@@ -85,6 +85,9 @@ class Checkpoint:
     #: The session contract from the trailer, or ``None`` when the file carries none.
     contract: bytes | None
     trailer: TrailerKind
+    #: Bytes of the file it was read from (its whole structure is validated, so this is the
+    #: size of what was decoded, even if the name now holds another file); None when built.
+    file_size: int | None = None
 
     @property
     def num_fragments(self) -> int:

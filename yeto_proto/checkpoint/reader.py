@@ -151,6 +151,7 @@ def _parse(src: _Source) -> Checkpoint:
         ledger=ledger,
         contract=contract,
         trailer=trailer,
+        file_size=src.size,
     )
 
 
