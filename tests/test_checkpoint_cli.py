@@ -456,6 +456,28 @@ def test_export_refuses_before_touching_the_output(
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
+def test_a_tensor_named_like_the_safetensors_metadata_key_is_refused_there(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Exit 0 and a file no reader loads (its header held the key twice), over a good one."""
+    layout = model_layout(("embed.weight", "__metadata__", "head.bias"))
+    checkpoint_path = tmp_path / "ck.bin"
+    write_checkpoint(checkpoint_path, v3_checkpoint(layout))
+    layout_path = write_layout(tmp_path, layout)
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"previous export")
+    code, _, err = run(
+        capsys, "checkpoint", "export", checkpoint_path, "--layout", layout_path, "--out", out
+    )
+    assert code == 2 and "__metadata__" in err and err.count("\n") == 1, err
+    assert out.read_bytes() == b"previous export"
+    as_torch = tmp_path / "model.pt"
+    code, _, err = run(
+        capsys, "checkpoint", "export", checkpoint_path, "--layout", layout_path, "--out", as_torch
+    )
+    assert code == 0, err
+
+
 def test_legacy_export_needs_the_identity_for_grouped_layouts(
     capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path
 ) -> None:

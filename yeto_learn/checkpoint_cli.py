@@ -48,6 +48,8 @@ EXIT_WRITE_FAILED = 1
 EXIT_BAD_INPUT = 2
 ISO_BACKEND_NAMES = {iso_backend_name(backend): backend for backend in IsoBackend}
 SAFETENSORS_SUFFIXES = frozenset({".safetensors"})
+#: The header key a .safetensors file keeps for its metadata: never a tensor's name there.
+SAFETENSORS_RESERVED = "__metadata__"
 TORCH_SUFFIXES = frozenset({".pt", ".pth"})
 #: What the ledger's numbers are (``--help``); the JSON keys are the file format's names.
 LEDGER_NOTE = (
@@ -302,7 +304,17 @@ def _export(args: argparse.Namespace, out: Path, check: Callable[[], None]) -> i
                 file=sys.stderr,
             )
             return EXIT_BAD_INPUT
-    save = _save_safetensors if out.suffix.lower() in SAFETENSORS_SUFFIXES else _save_torch
+    safetensors = out.suffix.lower() in SAFETENSORS_SUFFIXES
+    if safetensors and SAFETENSORS_RESERVED in exported.tensors:
+        # safetensors writes the name beside its own key of that name: a file no reader loads.
+        print(
+            f"{args.command_prog}: error: --out {out}: the layout names a tensor "
+            f"{SAFETENSORS_RESERVED}, the key .safetensors reserves; export to .pt instead; "
+            "nothing was written",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    save = _save_safetensors if safetensors else _save_torch
     try:
         # An OSError (a full disk, say) becomes CKPT_IO naming the file; no temp file is left.
         with atomic_replace(out, before_replace=check) as staging:
