@@ -478,6 +478,28 @@ def test_a_tensor_named_like_the_safetensors_metadata_key_is_refused_there(
     assert code == 0, err
 
 
+def test_an_export_removes_what_an_unfinished_export_to_the_same_file_left(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path
+) -> None:
+    """An export killed mid-write (kill -9, out of memory, a SIGBUS from a checkpoint cut short
+    in place) left its temporary file, as large as the export, for good."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    out = tmp_path / "model.pt"
+    left = tmp_path / f".model.pt.{int(gone.stdout)}.0123456789ab.tmp"
+    fresh = tmp_path / f".model.pt.{int(gone.stdout)}.00000000000b.tmp"  # maybe still written
+    for path in (left, fresh):
+        path.write_bytes(b"partial export")
+    os.utime(left, (time.time() - 120, time.time() - 120))
+    code, _, err = run(
+        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
+    )
+    assert code == 0, err
+    assert not left.exists() and fresh.exists() and out.exists()
+    assert err == f"yeto checkpoint export: removed {left} (14 bytes), left by an export that " \
+        "did not finish\n"  # fmt: skip
+
+
 def test_legacy_export_needs_the_identity_for_grouped_layouts(
     capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -30,6 +30,7 @@ from yeto_proto.checkpoint import (
     marker_path,
     marker_state,
     read_checkpoint,
+    remove_orphaned_temporaries,
     scheduled_version,
 )
 from yeto_proto.constants import DIGEST_SIZE, IsoBackend
@@ -314,6 +315,7 @@ def _export(args: argparse.Namespace, out: Path, check: Callable[[], None]) -> i
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
+    _remove_unfinished_exports(args.command_prog, out)
     save = _save_safetensors if safetensors else _save_torch
     try:
         # An OSError (a full disk, say) becomes CKPT_IO naming the file; no temp file is left.
@@ -334,6 +336,21 @@ def _export(args: argparse.Namespace, out: Path, check: Callable[[], None]) -> i
     total = sum(t.size for t in exported.tensors.values())
     output.out(f"exported {len(exported.tensors)} tensors ({total} values) to {out}")
     return 0
+
+
+def _remove_unfinished_exports(prog: str, out: Path) -> None:
+    """The temporary files of exports to ``out`` whose process is gone (killed, out of memory,
+    a SIGBUS from a checkpoint cut short in place), each as large as an export: say so."""
+    for orphan, outcome in remove_orphaned_temporaries(out):
+        if isinstance(outcome, OSError):
+            reason = outcome.strerror or outcome
+            print(f"{prog}: warning: cannot remove {orphan}: {reason}", file=sys.stderr)
+        else:
+            print(
+                f"{prog}: removed {orphan} ({outcome} bytes), left by an export that did not "
+                "finish",
+                file=sys.stderr,
+            )
 
 
 def _save_safetensors(exported: ExportedTensors, staging: Path) -> None:

@@ -31,9 +31,9 @@ import anyio.abc
 
 from yeto_proto.checkpoint import (
     Checkpoint,
-    orphaned_temporaries,
     read_checkpoint,
     refusal_for_every_hello,
+    remove_orphaned_temporaries,
 )
 from yeto_proto.checkpoint.atomic import read_capped
 from yeto_proto.checkpoint.marker import MarkerStatus, marker_path, marker_state
@@ -341,23 +341,20 @@ def _same_file(first: Path, second: Path) -> bool:
         return False
 
 
-def remove_orphaned_temporaries(config: SyncerConfig) -> None:
+def remove_crashed_writes(config: SyncerConfig) -> None:
     """Remove what a crashed writer left beside the outputs (each as large as its file), and
     say so: restarted again and again after crashes, the syncer would fill its disk."""
     log = KeyValueLog(sys.stderr)
     for target in (config.checkpoint_path, config.final_state):
         if target is None:
             continue
-        for orphan in orphaned_temporaries(target):
-            try:
-                size = orphan.stat().st_size
-                orphan.unlink()
-            except OSError as exc:
+        for orphan, outcome in remove_orphaned_temporaries(target):
+            if isinstance(outcome, OSError):
                 log("warning", "temporary file of a crashed write not removed",
-                    {"path": str(orphan), "error": exc.strerror or str(exc)})  # fmt: skip
+                    {"path": str(orphan), "error": outcome.strerror or str(outcome)})  # fmt: skip
             else:
                 log("info", "temporary file of a crashed write removed",
-                    {"path": str(orphan), "bytes": size})  # fmt: skip
+                    {"path": str(orphan), "bytes": outcome})  # fmt: skip
 
 
 def load_resume_checkpoint(config: SyncerConfig) -> Checkpoint | None:
@@ -496,7 +493,7 @@ def _start_and_serve(args: argparse.Namespace, signals: StopSignals) -> int:
         # The coordinator holds the checkpoint's arrays until their fragments commit: kept
         # here as well, they would be a second copy of the model's state for the whole run.
         del checkpoint
-        remove_orphaned_temporaries(config)  # only once it serves: a refusal changes nothing
+        remove_crashed_writes(config)  # only once it serves: a refusal changes nothing
         signals.check()  # one whose Stopped something on the way swallowed
         exit_action, kept = anyio.run(
             _serve, config, coordinator, hello_key, signals, iso_pool, serving, resumed

@@ -11,6 +11,7 @@ from .atomic import (
     atomic_replace,
     io_error,
     orphaned_temporaries,
+    remove_orphaned_temporaries,
     write_bytes_atomically,
 )
 from .export import ExportedTensors, LegacyIdentity, export_tensors, load_layout, verify_identity
@@ -75,6 +76,7 @@ __all__ = [
     "marker_path",
     "marker_state",
     "orphaned_temporaries",
+    "remove_orphaned_temporaries",
     "parse_final_marker",
     "remove_final_marker",
     "read_checkpoint",

@@ -62,6 +62,21 @@ def orphaned_temporaries(target: Path, *, now: float | None = None) -> list[Path
     return sorted(found)
 
 
+def remove_orphaned_temporaries(target: Path) -> list[tuple[Path, int | OSError]]:
+    """Remove :func:`orphaned_temporaries` of ``target``: each with its size in bytes, or the
+    error that kept it (for the caller to report: a leftover is as large as the file)."""
+    removed: list[tuple[Path, int | OSError]] = []
+    for orphan in orphaned_temporaries(target):
+        try:
+            size = orphan.stat().st_size
+            orphan.unlink()
+        except OSError as exc:
+            removed.append((orphan, exc))
+        else:
+            removed.append((orphan, size))
+    return removed
+
+
 def _writer_may_live(pid: int) -> bool:
     if pid == os.getpid():
         return False
