@@ -77,12 +77,15 @@ TESTS_PER_GROUP = 100  # group g numbers its tests from 100·g + 1, so appending
 
 FLAG_NOTES = {
     "Boundary": "A field at the edge of its range (0, the maximum, or a limit exactly).",
+    "BeforeHello": "A DATA_HELLO arrives before its group's HELLO and waits for the group.",
     "Budget": "A BUDGET_DONE report was accepted before (spec/closure.md § 3).",
     "CheckOrder": "Several faults at once: the pinned order of checks decides the code.",
     "ClosedGroups": "Groups of earlier accepted HELLOs closed before this HELLO arrived; the "
     "session and the generations admitted outlive them.",
     "CountBeyondPayload": "A count promises more bytes than the payload holds; it must be "
     "rejected before anything is allocated for it.",
+    "Deadline": "The clock passes a deadline of the connection table, or stops just before "
+    "one (spec/wire.md § 5.4).",
     "DecoderMayDefer": "The frame is well formed; the named code is raised by the session, the "
     "reassembler or the dtype codec rather than necessarily by the frame decoder (for INIT and "
     "PUSH values never by the syncer's frame decoder: they are judged after the frame).",
@@ -118,6 +121,7 @@ FLAG_NOTES = {
     "ProfileHash": "HELLO carries the optional 32-byte syncer profile hash.",
     "Reconnect": "The connection group drops and the learner redials with a new generation "
     "(spec/learner.md § 8).",
+    "RefusedHello": "The coordinator refuses a HELLO whose group data sockets are waiting for.",
     "RefusedBefore": "HELLOs refused before this one; a refused HELLO fixes and records nothing.",
     "Replay": "A version the learner holds again, or an older one: idempotent or dropped.",
     "Resume": "The syncer resumed from the context's checkpoint (spec/syncer.md § 1).",
@@ -4204,6 +4208,475 @@ def admission_file() -> Json:
     )
 
 
+# -- attaching data sockets ----------------------------------------------------------------------
+
+#: The syncer attach_sequences.json runs against: M = 4 (a DATA_HELLO or HELLO needs
+#: learner_id < M); every HELLO is the f32 session's, from the learner and generation named.
+ATTACH_LEARNERS = 4
+#: Every wait of the connection table lasts 10 s (spec/wire.md § 5.4). A script never lands
+#: exactly on a deadline: it looks a quarter second before it (nothing yet) and a quarter
+#: second after (done), so whether a deadline is due at the very instant it is reached is left
+#: to the implementation. Both numbers are exact in binary floating point.
+BEFORE_DEADLINE = 9.75
+OVER_DEADLINE = 0.5
+ATTACH_EFFECT_ORDER = {"error": 0, "close": 1, "ready": 2}
+
+
+def attach_error(code: str, socket: int | None = None) -> Json:
+    """ERROR ``<code>: …`` on ``socket`` (None: the step's own socket), which then closes."""
+    return {"effect": "error", "socket": socket, "code": code}
+
+
+def attach_close(socket: int) -> Json:
+    """``socket`` closes without ERROR (its group closed because of another socket)."""
+    return {"effect": "close", "socket": socket}
+
+
+def attach_ready(learner_id: int, generation: int) -> Json:
+    return {"effect": "ready", "id": learner_id, "generation": generation}
+
+
+class AttachScript:
+    """The steps of one AttachSequenceTest; sockets are numbered 1, 2, … as they open."""
+
+    def __init__(self) -> None:
+        self.steps: list[Json] = []
+        self.sockets = 0
+
+    def _effects(self, socket: int | None, effects: Sequence[Json]) -> list[Json]:
+        out = []
+        for effect in effects:
+            if effect.get("socket", 0) is None:
+                assert socket is not None, "an effect on the step's socket needs a socket"
+                effect = {**effect, "socket": socket}
+            out.append(effect)
+        return sorted(
+            out,
+            key=lambda e: (
+                ATTACH_EFFECT_ORDER[e["effect"]],
+                e.get("socket", 0),
+                e.get("id", 0),
+                e.get("generation", 0),
+            ),
+        )
+
+    def open(self) -> int:
+        self.sockets += 1
+        self.steps.append({"step": "open", "socket": self.sockets, "effects": []})
+        return self.sockets
+
+    def hello(
+        self,
+        learner_id: int,
+        generation: int,
+        num_streams: int,
+        *effects: Json,
+        refuse: str | None = None,
+        contract: bytes | None = None,
+        socket: int | None = None,
+    ) -> int:
+        """A HELLO on ``socket`` (None: a new one), admitted, or refused with ``refuse``."""
+        if socket is None:
+            socket = self.open()
+        fields = replace(
+            S_F32.hello, learner_id=learner_id, generation=generation, num_streams=num_streams
+        )
+        if contract is not None:
+            fields = replace(fields, contract=contract)
+        step: Json = {
+            "step": "hello",
+            "socket": socket,
+            "hex": frame(HELLO, fields.payload()).hex(),
+            "learner_id": learner_id,
+            "generation": generation,
+            "num_streams": num_streams,
+            "decision": "admit" if refuse is None else "refuse",
+        }
+        if refuse is not None:
+            step["code"] = refuse
+        step["effects"] = self._effects(socket, effects)
+        self.steps.append(step)
+        return socket
+
+    def data_hello(
+        self,
+        learner_id: int,
+        generation: int,
+        stream_idx: int,
+        *effects: Json,
+        socket: int | None = None,
+    ) -> int:
+        """A DATA_HELLO on ``socket`` (None: a new one)."""
+        if socket is None:
+            socket = self.open()
+        self.steps.append(
+            {
+                "step": "data_hello",
+                "socket": socket,
+                "hex": data_hello(learner_id, generation, stream_idx)[0].hex(),
+                "learner_id": learner_id,
+                "generation": generation,
+                "stream_idx": stream_idx,
+                "effects": self._effects(socket, effects),
+            }
+        )
+        return socket
+
+    def advance(self, seconds: float, *effects: Json) -> None:
+        self.steps.append(
+            {"step": "advance", "seconds": seconds, "effects": self._effects(None, effects)}
+        )
+
+    def test(self, comment: str, *flags: str) -> Json:
+        return {"comment": comment, "flags": list(flags), "steps": self.steps}
+
+
+def attach_group(tests: list[Json]) -> Json:
+    return {
+        "type": "AttachSequenceTest",
+        "context": {"num_learners": ATTACH_LEARNERS},
+        "tests": tests,
+    }
+
+
+def attach_tests() -> list[Json]:
+    """Data sockets joining admitted groups."""
+    tests = []
+
+    s = AttachScript()
+    s.hello(0, 1, 2)
+    s.data_hello(0, 1, 0)
+    s.data_hello(0, 1, 1, attach_ready(0, 1))
+    tests.append(s.test("two data streams attach in index order: ready with the last", "Normal"))
+
+    s = AttachScript()
+    s.hello(2, 5, 3)
+    s.data_hello(2, 5, 2)
+    s.data_hello(2, 5, 0)
+    s.data_hello(2, 5, 1, attach_ready(2, 5))
+    tests.append(s.test("three data streams attach out of index order", "Normal"))
+
+    s = AttachScript()
+    s.hello(0, 1, 0, attach_ready(0, 1))
+    tests.append(s.test("a HELLO with no data streams: ready as it is admitted", "Boundary"))
+
+    s = AttachScript()
+    s.hello(0, 1, 1)
+    s.hello(1, 1, 1)
+    s.data_hello(1, 1, 0, attach_ready(1, 1))
+    s.data_hello(0, 1, 0, attach_ready(0, 1))
+    tests.append(s.test("two learners' groups attach interleaved, each on its own", "Normal"))
+
+    s = AttachScript()
+    s.hello(0, 1, 1)
+    other_generation = s.data_hello(0, 2, 0)
+    other_learner = s.data_hello(1, 1, 0)
+    s.data_hello(0, 1, 0, attach_ready(0, 1))
+    s.advance(BEFORE_DEADLINE)
+    s.advance(
+        OVER_DEADLINE,
+        attach_error("UNKNOWN_GROUP", other_generation),
+        attach_error("UNKNOWN_GROUP", other_learner),
+    )
+    tests.append(
+        s.test(
+            "a DATA_HELLO joins only the group of its own learner_id and generation: "
+            "another generation's or another learner's waits for its own group, then "
+            "UNKNOWN_GROUP",
+            "Deadline",
+        )
+    )
+    return tests
+
+
+def stream_index_tests() -> list[Json]:
+    """DUPLICATE_STREAM and BAD_STREAM_INDEX: only the DATA_HELLO's socket is refused."""
+    tests = []
+
+    s = AttachScript()
+    s.hello(0, 1, 2)
+    s.data_hello(0, 1, 0)
+    s.data_hello(0, 1, 0, attach_error("DUPLICATE_STREAM"))
+    s.data_hello(0, 1, 1, attach_ready(0, 1))
+    tests.append(
+        s.test(
+            "stream 0 twice: the second socket only is refused; the group stays and gets ready",
+            "Normal",
+        )
+    )
+
+    s = AttachScript()
+    s.hello(3, 9, 1)
+    s.data_hello(3, 9, 0, attach_ready(3, 9))
+    s.data_hello(3, 9, 0, attach_error("DUPLICATE_STREAM"))
+    tests.append(s.test("an index again after the group is ready: only that socket", "Normal"))
+
+    s = AttachScript()
+    s.data_hello(0, 1, 1)
+    s.hello(0, 1, 2)
+    s.data_hello(0, 1, 1, attach_error("DUPLICATE_STREAM"))
+    s.data_hello(0, 1, 0, attach_ready(0, 1))
+    tests.append(
+        s.test(
+            "an index that attached while it waited for the HELLO is taken: a second one is "
+            "DUPLICATE_STREAM",
+            "BeforeHello",
+        )
+    )
+
+    s = AttachScript()
+    s.hello(0, 1, 1)
+    s.hello(0, 2, 1)
+    s.data_hello(0, 1, 0, attach_ready(0, 1))
+    s.data_hello(0, 2, 0, attach_ready(0, 2))
+    tests.append(
+        s.test("the same index in another generation of the learner is no duplicate", "Normal")
+    )
+
+    s = AttachScript()
+    s.hello(0, 1, 2)
+    s.data_hello(0, 1, 2, attach_error("BAD_STREAM_INDEX"))
+    s.data_hello(0, 1, 0)
+    s.data_hello(0, 1, 1, attach_ready(0, 1))
+    tests.append(
+        s.test(
+            "stream_idx = num_streams: only that socket is refused; the group gets ready",
+            "Boundary",
+        )
+    )
+
+    s = AttachScript()
+    s.hello(1, 4, 2)
+    s.data_hello(1, 4, 0)
+    s.data_hello(1, 4, 255, attach_error("BAD_STREAM_INDEX"))
+    s.data_hello(1, 4, 1, attach_ready(1, 4))
+    tests.append(s.test("stream_idx 255 in a group of 2 data streams", "Boundary"))
+
+    s = AttachScript()
+    s.hello(0, 1, 0, attach_ready(0, 1))
+    s.data_hello(0, 1, 0, attach_error("BAD_STREAM_INDEX"))
+    tests.append(s.test("a DATA_HELLO to a group without data streams", "Boundary"))
+
+    s = AttachScript()
+    waiting = s.data_hello(0, 1, 2)
+    s.hello(0, 1, 2, attach_error("BAD_STREAM_INDEX", waiting))
+    s.data_hello(0, 1, 0)
+    s.data_hello(0, 1, 1, attach_ready(0, 1))
+    tests.append(
+        s.test(
+            "stream_idx = num_streams before the HELLO: it waits, and is refused when the "
+            "group is admitted",
+            "BeforeHello",
+            "Boundary",
+        )
+    )
+
+    s = AttachScript()
+    s.data_hello(0, 1, 256, attach_error("BAD_STREAM_INDEX"))
+    s.data_hello(2, 3, U16_MAX, attach_error("BAD_STREAM_INDEX"))
+    tests.append(
+        s.test(
+            "stream_idx 256 or more fits no group: refused at once, without waiting for one",
+            "Boundary",
+        )
+    )
+
+    s = AttachScript()
+    s.data_hello(0, 1, 255)
+    s.advance(BEFORE_DEADLINE)
+    s.advance(OVER_DEADLINE, attach_error("UNKNOWN_GROUP", 1))
+    tests.append(
+        s.test(
+            "stream_idx 255 may fit a group: it waits for one, then UNKNOWN_GROUP",
+            "Boundary",
+            "Deadline",
+        )
+    )
+    return tests
+
+
+def waiting_tests() -> list[Json]:
+    """A DATA_HELLO before its group's HELLO: attached, or UNKNOWN_GROUP."""
+    tests = []
+
+    s = AttachScript()
+    s.data_hello(0, 1, 0)
+    s.advance(BEFORE_DEADLINE)
+    s.hello(0, 1, 1, attach_ready(0, 1))
+    tests.append(
+        s.test(
+            "a DATA_HELLO 9.75 s before its HELLO attaches as the group is admitted",
+            "BeforeHello",
+            "Deadline",
+        )
+    )
+
+    s = AttachScript()
+    s.data_hello(0, 1, 0)
+    s.advance(BEFORE_DEADLINE)
+    s.hello(0, 1, 2)
+    s.advance(BEFORE_DEADLINE)
+    s.data_hello(0, 1, 1, attach_ready(0, 1))
+    tests.append(
+        s.test(
+            "once attached, a data socket waits no more: the group's own 10 s run from its "
+            "admission",
+            "BeforeHello",
+            "Deadline",
+        )
+    )
+
+    s = AttachScript()
+    s.data_hello(0, 1, 0)
+    s.advance(BEFORE_DEADLINE)
+    s.advance(OVER_DEADLINE, attach_error("UNKNOWN_GROUP", 1))
+    tests.append(s.test("no HELLO within 10 s: UNKNOWN_GROUP at the deadline", "Deadline"))
+
+    s = AttachScript()
+    early = s.data_hello(1, 2, 0)
+    s.advance(5.0)
+    late = s.data_hello(1, 2, 1)
+    s.advance(BEFORE_DEADLINE - 5.0)
+    s.advance(OVER_DEADLINE, attach_error("UNKNOWN_GROUP", early))
+    s.advance(5.0 - OVER_DEADLINE)
+    s.advance(OVER_DEADLINE, attach_error("UNKNOWN_GROUP", late))
+    tests.append(
+        s.test("each DATA_HELLO waits 10 s from its own arrival", "BeforeHello", "Deadline")
+    )
+
+    s = AttachScript()
+    quiet = s.open()
+    s.advance(BEFORE_DEADLINE)
+    s.data_hello(0, 1, 0, socket=quiet)
+    s.advance(BEFORE_DEADLINE)
+    s.advance(OVER_DEADLINE, attach_error("UNKNOWN_GROUP", quiet))
+    tests.append(
+        s.test(
+            "a DATA_HELLO sent 9.75 s after its socket opened still waits 10 s for its group",
+            "Deadline",
+        )
+    )
+
+    s = AttachScript()
+    s.hello(1, 1, 0, attach_ready(1, 1))
+    waiting = s.data_hello(0, 1, 0)
+    s.hello(
+        0,
+        1,
+        1,
+        attach_error("SESSION_CONTRACT_MISMATCH"),
+        attach_error("UNKNOWN_GROUP", waiting),
+        refuse="SESSION_CONTRACT_MISMATCH",
+        contract=digest_of("conformance contract: another run"),
+    )
+    tests.append(
+        s.test(
+            "the HELLO is refused (another contract than learner 1's): its waiting data "
+            "socket gets UNKNOWN_GROUP at once; learner 1's group is untouched",
+            "BeforeHello",
+            "RefusedHello",
+        )
+    )
+
+    s = AttachScript()
+    s.hello(1, 1, 0, attach_ready(1, 1))
+    first = s.data_hello(0, 3, 0)
+    second = s.data_hello(0, 3, 1)
+    s.data_hello(0, 4, 0)
+    s.hello(
+        0,
+        3,
+        2,
+        attach_error("SESSION_CONTRACT_MISMATCH"),
+        attach_error("UNKNOWN_GROUP", first),
+        attach_error("UNKNOWN_GROUP", second),
+        refuse="SESSION_CONTRACT_MISMATCH",
+        contract=digest_of("conformance contract: another run"),
+    )
+    s.hello(0, 4, 1, attach_ready(0, 4))
+    tests.append(
+        s.test(
+            "a refused HELLO refuses every data socket waiting for its group, and only those",
+            "BeforeHello",
+            "RefusedHello",
+        )
+    )
+    return tests
+
+
+def group_deadline_tests() -> list[Json]:
+    """An admitted group whose data sockets are not all in within 10 s (HANDSHAKE_TIMEOUT)."""
+    tests = []
+
+    s = AttachScript()
+    control = s.hello(0, 1, 2)
+    data = s.data_hello(0, 1, 0)
+    s.advance(BEFORE_DEADLINE)
+    s.advance(OVER_DEADLINE, attach_error("HANDSHAKE_TIMEOUT", control), attach_close(data))
+    tests.append(
+        s.test(
+            "one of two data streams attached in 10 s: HANDSHAKE_TIMEOUT on stream 0, and "
+            "the attached data socket closes with its group",
+            "Deadline",
+        )
+    )
+
+    s = AttachScript()
+    control = s.hello(0, 1, 1)
+    s.advance(BEFORE_DEADLINE)
+    s.advance(OVER_DEADLINE, attach_error("HANDSHAKE_TIMEOUT", control))
+    tests.append(s.test("no data stream attached in 10 s", "Deadline"))
+
+    s = AttachScript()
+    s.hello(0, 1, 2)
+    s.data_hello(0, 1, 1)
+    s.advance(BEFORE_DEADLINE)
+    s.data_hello(0, 1, 0, attach_ready(0, 1))
+    s.advance(OVER_DEADLINE)
+    s.advance(60.0)
+    tests.append(s.test("the last data stream 9.75 s after admission: ready, for good", "Deadline"))
+
+    s = AttachScript()
+    early = s.hello(0, 1, 1)
+    s.advance(5.0)
+    s.hello(1, 1, 1)
+    s.advance(BEFORE_DEADLINE - 5.0)
+    s.advance(OVER_DEADLINE, attach_error("HANDSHAKE_TIMEOUT", early))
+    s.data_hello(1, 1, 0, attach_ready(1, 1))
+    tests.append(
+        s.test(
+            "each group has 10 s from its own admission: the earlier one times out alone",
+            "Deadline",
+        )
+    )
+
+    s = AttachScript()
+    quiet = s.open()
+    s.advance(BEFORE_DEADLINE)
+    s.advance(OVER_DEADLINE, attach_error("HANDSHAKE_TIMEOUT", quiet))
+    tests.append(s.test("a socket that sends no first frame in 10 s", "Deadline"))
+    return tests
+
+
+def attach_sequences_file() -> Json:
+    return vector_file(
+        "attach_sequences",
+        [
+            "The syncer's connection table (spec/wire.md § 5.4): data sockets attaching to",
+            "connection groups by DATA_HELLO, and the waits around it. Each test is a sequence",
+            "of steps on numbered sockets (open, HELLO with the coordinator's decision,",
+            "DATA_HELLO, the clock advancing) with exactly the effects each step has: ERROR",
+            "and close of a socket, a socket closed with its group, a group ready.",
+        ],
+        [
+            attach_group(attach_tests()),
+            attach_group(stream_index_tests()),
+            attach_group(waiting_tests()),
+            attach_group(group_deadline_tests()),
+        ],
+    )
+
+
 # -- PUSH acceptance -----------------------------------------------------------------------------
 
 #: The syncer push_acceptance.json runs against: two learners, quorum 2 (so an attempt's K is
@@ -7445,6 +7918,7 @@ FILES: dict[str, Callable[[], Json]] = {
     "hello.json": hello_file,
     "hello_variants.json": hello_variants_file,
     "admission.json": admission_file,
+    "attach_sequences.json": attach_sequences_file,
     "push_acceptance.json": push_acceptance_file,
     "syncer_session.json": syncer_session_file,
     "learner_session.json": learner_session_file,

@@ -114,6 +114,7 @@ from yeto_sync.events import (
     WriteFinalMarker,
     WriteFinalState,
 )
+from yeto_sync.transport.group import ConnectionGroups, Hangup, WireCommand
 
 Json = dict[str, Any]
 
@@ -993,6 +994,95 @@ def test_hello_admission(case: Case) -> None:
     closed = {keys[i] for i in case.test.get("closed", [])}
     assert all(coordinator.registry.is_open(k) == (k not in closed) for k in keys)
     assert coordinator.registry.was_admitted(key) == (key in keys), "nothing new was admitted"
+
+
+# -- attaching data sockets ----------------------------------------------------------------------
+
+
+def attach_effects(groups: ConnectionGroups, wire: list[WireCommand]) -> list[Json]:
+    """What the connection table did, in the vector's form: the sockets it closed (with the code
+    of the ERROR it sent first, if any) and the groups that became ready."""
+    effects: list[Json] = []
+    for command in wire:
+        assert isinstance(command, Hangup), f"a handshake sends nothing but ERROR: {command!r}"
+        if command.error is None:
+            effects.append({"effect": "close", "socket": command.conn})
+            continue
+        code, _, detail = command.error.text.partition(": ")
+        assert detail, "ERROR text is <CODE>: <detail>"
+        effects.append({"effect": "error", "socket": command.conn, "code": code})
+    while (event := groups.pop_event()) is not None:
+        if isinstance(event, GroupReady):
+            key = event.group
+            effects.append({"effect": "ready", "id": key.learner_id, "generation": key.generation})
+        else:  # the close of a group is seen on its sockets
+            assert isinstance(event, GroupClosed), f"unexpected event {event!r}"
+    return effects
+
+
+def effect_set(effects: list[Json]) -> list[str]:
+    """One step's effects, comparable whatever their order (a step's effects form a set)."""
+    return sorted(json.dumps(effect, sort_keys=True) for effect in effects)
+
+
+def first_frame_of(step: Json, num_learners: int) -> AnyMessage:
+    """The step's frame decoded as a socket's first frame; its repeated fields must agree."""
+    decoder = FrameDecoder(Role.SYNCER, num_learners=num_learners)
+    decoder.feed(bytes.fromhex(step["hex"]))
+    message = decoder.next_frame()
+    if step["step"] == "hello":
+        assert isinstance(message, Hello), message
+        fields = (message.learner_id, message.generation, message.num_streams)
+        assert fields == (step["learner_id"], step["generation"], step["num_streams"])
+    else:
+        assert isinstance(message, DataHello), message
+        fields = (message.learner_id, message.generation, message.stream_idx)
+        assert fields == (step["learner_id"], step["generation"], step["stream_idx"])
+    return message
+
+
+@params(cases("AttachSequenceTest"))
+def test_attach_sequence(case: Case) -> None:
+    """Drive yeto's sans-IO connection table through the steps on a fake clock: each step must
+    have exactly its ``effects``."""
+    assert case.settings is not None
+    num_learners = case.settings["num_learners"]
+    groups = ConnectionGroups(num_learners)
+    now = 0.0
+    closed: set[ConnId] = set()
+    for index, step in enumerate(case.test["steps"]):
+        kind = step["step"]
+        wire: list[WireCommand] = []
+        if kind == "open":
+            wire += groups.open(step["socket"], now)
+        elif kind == "advance":
+            now += step["seconds"]
+            # As the daemon does: enforce each deadline when it comes, in order.
+            while (deadline := groups.next_deadline()) is not None and deadline <= now:
+                wire += groups.expire(deadline)
+            assert not groups.expire(now), "a deadline next_deadline() did not report"
+        else:
+            conn = step["socket"]
+            assert conn not in closed, "a vector sends nothing on a closed socket"
+            message = first_frame_of(step, num_learners)
+            wire += groups.receive(conn, bytes.fromhex(step["hex"]), now)
+            if kind == "hello":
+                assert isinstance(message, Hello)
+                assert groups.pop_event() == HelloReceived(conn, message)
+                if step["decision"] == "admit":
+                    key = GroupKey(message.learner_id, message.generation)
+                    limits = Limits.of(message.dtype, message.layout)
+                    wire += groups.admit(conn, key, message.num_streams, limits, now)
+                else:
+                    error = ErrorMessage(f"{step['code']}: refused by the vector")
+                    wire += groups.refuse(conn, error)
+        effects = attach_effects(groups, wire)
+        assert effect_set(effects) == effect_set(step["effects"]), f"step {index} ({kind})"
+        for effect in effects:
+            if "socket" in effect:
+                assert effect["socket"] not in closed, f"socket {effect['socket']} closed twice"
+                closed.add(effect["socket"])
+    assert all(not groups.is_open(conn) for conn in closed)
 
 
 # -- PUSH acceptance -----------------------------------------------------------------------------
