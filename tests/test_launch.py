@@ -284,7 +284,7 @@ def test_launch_quotes_a_learner_that_reached_its_cap(tmp_path: Path) -> None:
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("yeto launch: failed: learner-0 exited with 1: "), last
     assert "learner 0: reached its cap of 200 local steps" in last, last
-    assert "try fewer --learners" in last, last
+    assert "a learner stalled" in last and "or fewer --learners" in last, last
     # The checkpoint it kept can be used with the commands the line gives, as they are.
     commands = re.findall(r"`(yeto checkpoint [^`]*)`", last)
     assert [c.split()[2] for c in commands] == ["inspect", "export"], last
@@ -695,7 +695,7 @@ def test_a_stop_signal_that_reaches_a_child_before_it_runs_its_program_ends_it(
     assert "Traceback" not in errors and "Exception ignored" not in errors, errors
     assert code == 1, errors
     assert errors.splitlines()[-1].startswith(
-        f"yeto launch: failed: learner-0 exited with {-signal.SIGTERM}: no output; kept: "
+        "yeto launch: failed: learner-0 was killed by SIGTERM: no error output; kept: "
     ), errors
     assert not left, f"processes {left} outlived the launcher"
 
@@ -764,3 +764,23 @@ def test_the_demo_learner_reports_a_stop_torch_turned_into_its_own_error_and_no_
         signal.signal(signal.SIGTERM, before)
     assert code == 128 + signal.SIGTERM
     assert capsys.readouterr().err == "learner 1: stopped by SIGTERM; no artifact was written\n"
+
+
+def test_a_child_that_died_is_named_by_its_signal_and_last_words(tmp_path: Path) -> None:
+    """ "the syncer exited with -9:" and two routine round lines said nothing of what happened
+    (a kill -9, or the out-of-memory killer)."""
+    log = tmp_path / "stderr.log"
+    log.write_text(
+        'ts=1 level=info msg="round committed" step=172\n'
+        'ts=2 level=warning msg="learner dropped" learner_id=1\n'
+        'ts=3 level=info msg="round launched" step=173\n'
+    )
+    child = launch.Child("the syncer", cast(Any, None), log)
+    assert child.ended(-signal.SIGKILL, 2) == (
+        "the syncer was killed by SIGKILL (kill -9, or the kernel's out-of-memory killer): "
+        'ts=2 level=warning msg="learner dropped" learner_id=1'
+    )
+    assert child.ended(1, 3).startswith("the syncer exited with 1: ts=2 level=warning")
+    assert child.ended(-200, 1).startswith("the syncer was killed by signal 200: ")
+    log.write_text('ts=1 level=info msg="round committed" step=172\n')
+    assert child.ended(-signal.SIGTERM, 3) == "the syncer was killed by SIGTERM: no error output"

@@ -355,8 +355,9 @@ def _cap_reached(max_steps: int, global_step: int) -> str:
     return (
         f"reached its cap of {max_steps} local steps (--max-steps; yeto launch passes "
         f"4 x --steps) before the syncer finished the run (its rounds were at global step "
-        f"{global_step}): the rounds ran slower than the learners trained (too many learners "
-        "for this machine's cores?); try fewer --learners, or a larger --steps or --sync-interval"
+        f"{global_step}): the rounds fell behind the learners' training, because the syncer "
+        "or a learner stalled (see their logs) or because this machine has too few cores for "
+        "--learners; try a larger --steps or --sync-interval, or fewer --learners"
     )
 
 

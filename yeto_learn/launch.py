@@ -22,6 +22,7 @@ import math
 import os
 import queue
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -131,12 +132,35 @@ class Child:
     stderr_path: Path
 
     def stderr_tail(self, lines: int = 5) -> list[str]:
-        """The last ``lines`` lines of its stderr that say something: no blank lines, and no
-        traceback lines that only point (``~~~^^^``) at the line above."""
+        """The last ``lines`` lines of its stderr that say something: no blank lines, no
+        traceback lines that only point (``~~~^^^``) at the line above, and none of the
+        syncer's routine log lines (``level=info``: a round launched or committed)."""
         with contextlib.suppress(OSError):
             text = self.stderr_path.read_text(encoding="utf-8", errors="replace")
-            return [line for line in text.splitlines() if line.strip(" ~^")][-lines:]
+            return [line for line in text.splitlines() if _says_something(line)][-lines:]
         return []
+
+    def ended(self, code: int, lines: int) -> str:
+        """How it ended, for a failure line: a signal by name, then its last words."""
+        if code < 0:
+            how = f"{self.name} was killed by {_signal_name(-code)}"
+        else:
+            how = f"{self.name} exited with {code}"
+        return f"{how}: {'; '.join(self.stderr_tail(lines)) or 'no error output'}"
+
+
+def _says_something(line: str) -> bool:
+    return bool(line.strip(" ~^")) and " level=info " not in line and " level=debug " not in line
+
+
+def _signal_name(number: int) -> str:
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+    if number == signal.SIGKILL:
+        return f"{name} (kill -9, or the kernel's out-of-memory killer)"
+    return name
 
 
 def _spawn(name: str, argv: list[str], stderr_path: Path, env: dict[str, str]) -> Child:
@@ -536,7 +560,7 @@ def _launch(
         "--quorum-timeout-s", "120",
         "--final-ack-timeout-s", "120",
     ]  # fmt: skip
-    syncer = _spawn("syncer", syncer_argv, paths.syncer_log, env)
+    syncer = _spawn("the syncer", syncer_argv, paths.syncer_log, env)
     children.append(syncer)
     address = _await_listening(syncer, stops)
     if address is None:
@@ -593,8 +617,7 @@ def _launch(
         )
         return EXIT_FAILED
     if code != 0:
-        tail = "; ".join(syncer.stderr_tail(2))
-        print(f"yeto launch: the syncer exited with {code}: {tail}", file=sys.stderr)
+        print(f"yeto launch: {syncer.ended(code, 2)}", file=sys.stderr)
         return EXIT_FAILED
     return _summarize(views, paths, args, rounds, time.monotonic() - started)
 
@@ -668,18 +691,17 @@ def _follow(
             else:
                 _record(views, line)
         display.refresh()
-        for name, child in learners.items():
+        for child in learners.values():
             code = child.process.poll()
-            if code not in (None, 0):
-                tail = "; ".join(child.stderr_tail(3)) or "no output"
-                return f"{name} exited with {code}: {tail}"
+            if code is not None and code != 0:
+                return child.ended(code, 3)
         code = syncer.process.poll()
-        if code not in (None, 0):
-            return f"the syncer exited with {code}: {'; '.join(syncer.stderr_tail(2))}"
-    for name, child in learners.items():
+        if code is not None and code != 0:
+            return syncer.ended(code, 2)
+    for child in learners.values():
         code = _wait(child.process, math.inf, stops)
-        if code != 0:
-            return f"{name} exited with {code}: {'; '.join(child.stderr_tail(3))}"
+        if code is not None and code != 0:
+            return child.ended(code, 3)
     return None
 
 
