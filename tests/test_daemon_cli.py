@@ -40,6 +40,7 @@ from yeto_proto.checkpoint import (
 )
 from yeto_proto.constants import IsoBackend
 from yeto_sync import daemon as daemon_module
+from yeto_sync.config import SyncerConfig
 from yeto_sync.driver import KeyValueLog
 from yeto_sync.events import Exit
 from yeto_sync.stop_signals import StopSignals
@@ -182,6 +183,26 @@ def test_two_outputs_naming_one_file_are_refused(
     (line,) = result.stderr.splitlines()
     assert line.endswith("name the same file") and names in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["alias", "link", "out", "sub"]
+
+
+def test_outputs_replaced_by_name_may_be_links_to_one_another(tmp_path: Path) -> None:
+    """The checkpoint, its marker and the final state are renamed into place: a symlink or a
+    hard link at one of those names is replaced, never followed, so it clashes with nothing.
+    A symlink loop there is not a traceback either (Path.resolve raised RuntimeError)."""
+    (tmp_path / "ck").write_bytes(b"")
+    (tmp_path / "final").symlink_to(tmp_path / "ck")
+    os.link(tmp_path / "ck", tmp_path / "hard")
+    (tmp_path / "ck.final").symlink_to(tmp_path / "ck.final")  # a loop, at the marker's name
+    (tmp_path / "tape").symlink_to(tmp_path / "tape")
+    for final_state in ("final", "hard"):
+        config = SyncerConfig(
+            learners=1,
+            total_steps=4,
+            checkpoint_path=tmp_path / "ck",
+            final_state=tmp_path / final_state,
+            event_tape=tmp_path / "tape",
+        )
+        daemon_module.check_output_paths(config)  # nothing refused
 
 
 def test_refuses_to_start_beside_an_earlier_runs_final_marker(tmp_path: Path) -> None:

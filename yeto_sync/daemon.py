@@ -324,20 +324,27 @@ def check_output_paths(config: SyncerConfig) -> None:
     named = [(flag, path) for flag, path in outputs.items() if path is not None]
     for index, (flag, path) in enumerate(named):
         for other_flag, other in named[index + 1 :]:
-            if _same_file(path, other):
+            appended = config.event_tape in (path, other)
+            if _same_file(path, other, appended=appended):
                 # A tape appended to the checkpoint damaged it until the next rename, which
                 # then dropped every tape line; a final state would replace the checkpoint.
                 raise BadInput(f"{flag} {path} and {other_flag} {other} name the same file")
 
 
-def _same_file(first: Path, second: Path) -> bool:
-    """The two names reach one file: the same name once symlinks and ``..`` are resolved
-    (a file that does not exist yet), or the same inode (a hard link)."""
-    if first.resolve() == second.resolve():
+def _same_file(first: Path, second: Path, *, appended: bool) -> bool:
+    """Writing one of the two outputs changes the other. The checkpoint, its marker and the
+    final state are replaced by name (a symlink or hard link there is replaced, not followed):
+    two of them clash only as the same name in the same directory. The tape is appended to,
+    through symlinks: it clashes with the file its name leads to, by name or by inode."""
+    if first.parent.resolve() / first.name == second.parent.resolve() / second.name:
         return True
+    if not appended:
+        return False
     try:
+        if first.resolve() == second.resolve():
+            return True
         return os.path.samefile(first, second)
-    except OSError:  # either does not exist (yet): different names, different files
+    except (OSError, RuntimeError):  # missing (not yet written), or a symlink loop
         return False
 
 

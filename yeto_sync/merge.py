@@ -608,7 +608,7 @@ def _rda_into(
 
 def _rda_direction_term(term: Term, coef: float) -> tuple[Term, float]:
     """``term`` and its coefficient f32(w/S/n) in the direction sum. A Δ_m whose norm is
-    subnormal (below ~3e-38) has a coefficient past the largest f32: rounded first it is
+    below (w/S) · 2.94e-39 has a coefficient past the largest f32: rounded first it is
     infinite, and inf · 0 made the commit fail on a finite result. Such a term is scaled in
     f64 and rounded once per element (at most w/S in size), then summed with coefficient 1."""
     if coef < F32_OVERFLOW:
