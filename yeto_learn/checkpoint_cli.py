@@ -38,6 +38,7 @@ from yeto_proto.errors import CheckpointError, ErrorCode
 
 from . import output
 from .process_control import Stopped, stops_raised
+from .safetensors_file import METADATA_KEY, write_safetensors
 
 if TYPE_CHECKING:
     from yeto_proto.checkpoint import ExportedTensors
@@ -49,8 +50,6 @@ EXIT_WRITE_FAILED = 1
 EXIT_BAD_INPUT = 2
 ISO_BACKEND_NAMES = {iso_backend_name(backend): backend for backend in IsoBackend}
 SAFETENSORS_SUFFIXES = frozenset({".safetensors"})
-#: The header key a .safetensors file keeps for its metadata: never a tensor's name there.
-SAFETENSORS_RESERVED = "__metadata__"
 TORCH_SUFFIXES = frozenset({".pt", ".pth"})
 #: What the ledger's numbers are (``--help``); the JSON keys are the file format's names.
 LEDGER_NOTE = (
@@ -306,11 +305,11 @@ def _export(args: argparse.Namespace, out: Path, check: Callable[[], None]) -> i
             )
             return EXIT_BAD_INPUT
     safetensors = out.suffix.lower() in SAFETENSORS_SUFFIXES
-    if safetensors and SAFETENSORS_RESERVED in exported.tensors:
+    if safetensors and METADATA_KEY in exported.tensors:
         # safetensors writes the name beside its own key of that name: a file no reader loads.
         print(
             f"{args.command_prog}: error: --out {out}: the layout names a tensor "
-            f"{SAFETENSORS_RESERVED}, the key .safetensors reserves; export to .pt instead; "
+            f"{METADATA_KEY}, the key .safetensors reserves; export to .pt instead; "
             "nothing was written",
             file=sys.stderr,
         )
@@ -354,19 +353,7 @@ def _remove_unfinished_exports(prog: str, out: Path) -> None:
 
 
 def _save_safetensors(exported: ExportedTensors, staging: Path) -> None:
-    from safetensors import SafetensorError
-    from safetensors.numpy import save_file
-
-    try:
-        save_file(exported.tensors, os.fspath(staging), metadata=exported.metadata)
-    except SafetensorError as exc:
-        raise OSError(str(exc)) from exc
-    # safetensors writes through a private temporary file (mode 0600); the export gets the
-    # mode any new file of this user gets, as the .pt export and every other yeto file do.
-    # Reading the umask sets it for a moment: fine in this single-threaded command.
-    umask = os.umask(0o077)
-    os.umask(umask)
-    os.chmod(staging, 0o666 & ~umask)
+    write_safetensors(staging, exported.tensors, exported.metadata)
 
 
 def _save_torch(exported: ExportedTensors, staging: Path) -> None:
