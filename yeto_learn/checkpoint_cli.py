@@ -306,7 +306,7 @@ def _export(args: argparse.Namespace, out: Path, check: Callable[[], None]) -> i
             return EXIT_BAD_INPUT
     safetensors = out.suffix.lower() in SAFETENSORS_SUFFIXES
     if safetensors and METADATA_KEY in exported.tensors:
-        # safetensors writes the name beside its own key of that name: a file no reader loads.
+        # A .safetensors header keeps its metadata under that key: no tensor can have it.
         print(
             f"{args.command_prog}: error: --out {out}: the layout names a tensor "
             f"{METADATA_KEY}, the key .safetensors reserves; export to .pt instead; "
