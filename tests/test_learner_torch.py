@@ -208,8 +208,10 @@ def test_checkpoint_export_reads_the_layout_the_learner_wrote(tmp_path: Path) ->
 
 
 def test_bf16_parameters_hold_the_final_state_cast_to_bf16(tmp_path: Path) -> None:
+    # 12 rounds, as the other happy paths: with 9, the loss fell to 25-52% of its start over
+    # 12 runs on a loaded host (one at 52%), too close to the bound below.
     with running_syncer(
-        tmp_path / "syncer", learners=2, total_steps=9, extra=["--sync-interval-steps", "8"]
+        tmp_path / "syncer", learners=2, total_steps=12, extra=["--sync-interval-steps", "8"]
     ) as syncer:
         results = train_together(
             syncer.address, tmp_path, 2, wire_dtype="bf16", param_dtype=torch.bfloat16
