@@ -48,7 +48,7 @@ from yeto_proto.checkpoint import (
     marker_state,
     read_checkpoint,
 )
-from yeto_proto.constants import MAX_STREAMS
+from yeto_proto.constants import MAX_STREAMS, U32_MAX
 from yeto_proto.errors import ProtocolError
 from yeto_sync.help_format import HelpFormatter
 
@@ -60,7 +60,6 @@ from .command_options import (
     MAX_LOCAL_LEARNERS,
     MAX_SYNC_INTERVAL,
     SYNC_INTERVAL_HELP,
-    U32_MAX,
     WIRE_HELP,
     OutputDirError,
     make_output_dir,

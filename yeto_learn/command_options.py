@@ -15,13 +15,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from yeto_proto.constants import U32_MAX
+
 #: Help texts of the options both commands have (each shows its own default after it).
 WIRE_HELP = (
     "tensor encoding on the wire: f32, bf16, or q4 (4-bit pushes of deltas, bf16 broadcasts; "
     "the final state always travels as f32)"
 )
-U32_MAX = (1 << 32) - 1
-U64_MAX = (1 << 64) - 1
 
 #: Learners one command runs on this machine (``yeto launch``'s processes, ``yeto bench``'s
 #: threads), each training a model of its own on the machine's cores. The wire's learner ids go

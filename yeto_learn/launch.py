@@ -35,7 +35,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from yeto_proto import Layout, MergeMode
 from yeto_proto.checkpoint import write_bytes_atomically
-from yeto_proto.constants import MAX_STREAMS
+from yeto_proto.constants import MAX_STREAMS, U64_MAX
 from yeto_proto.errors import CheckpointError
 from yeto_sync.help_format import HelpFormatter
 
@@ -47,7 +47,6 @@ from .command_options import (
     MAX_LOCAL_LEARNERS,
     MAX_SYNC_INTERVAL,
     SYNC_INTERVAL_HELP,
-    U64_MAX,
     WIRE_HELP,
     OutputDirError,
     make_output_dir,

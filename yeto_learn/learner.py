@@ -65,7 +65,7 @@ from yeto_proto import (
     WireDtype,
 )
 from yeto_proto.checkpoint import atomic_replace, write_bytes_atomically
-from yeto_proto.constants import MAX_STREAMS
+from yeto_proto.constants import MAX_STREAMS, U64_MAX
 from yeto_proto.errors import CheckpointError, ErrorCode, LocalProtocolError
 
 from .artifact_files import LAYOUT_FILE, RUN_ID_FILE, STATE_FILE, SUMMARY_FILE
@@ -1153,7 +1153,7 @@ def _checked_tokens(tokens: int) -> int:
         value = None
     if isinstance(tokens, bool) or value is None:
         raise ValueError(f"tokens must be an integer, got {type(tokens).__name__}")
-    if not 0 <= value < 1 << 64:
+    if not 0 <= value <= U64_MAX:
         raise ValueError(f"tokens must be in 0..2^64-1, got {value}")
     return value
 

@@ -29,6 +29,10 @@ MAX_CHUNK_RANGES = 4096
 MAX_STREAMS = 256
 FINALIZATION_REVISION = 1
 
+#: The largest value of the wire's and the checkpoints' unsigned fields.
+U32_MAX = (1 << 32) - 1
+U64_MAX = (1 << 64) - 1
+
 DIGEST_SIZE = 32  # SHA-256 / HMAC-SHA256
 
 # Fixed parts of the bulk payloads, before the tensor bytes.

@@ -15,12 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .constants import MergeMode
+from .constants import U64_MAX, MergeMode
 from .errors import ErrorCode, LocalProtocolError
 
 FINGERPRINT_DOMAIN = b"yeto-layout-v1\0"
 LAYOUT_FILE_FORMAT = "yeto-layout-v1"
-_U64_MAX = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +38,7 @@ class WireFragment:
             raise LocalProtocolError(ErrorCode.EMPTY_FRAGMENT, "a fragment needs a tensor")
         if min(self.numels) <= 0:
             raise LocalProtocolError(ErrorCode.ZERO_NUMEL, "every numel must be in 1..2^64-1")
-        if max(self.numels) > _U64_MAX or sum(self.numels) > _U64_MAX:
+        if max(self.numels) > U64_MAX or sum(self.numels) > U64_MAX:
             raise LocalProtocolError(ErrorCode.SIZE_OVERFLOW, "fragment numel overflows u64")
         if self.merge_mode is MergeMode.ISO:
             if len(self.matrix_shapes) != len(self.numels):
@@ -224,9 +223,9 @@ def _tensor_from_json(where: str, raw: object) -> TensorSpec:
     if not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS:
         raise ValueError(f"{where}: shape must be a list of at most {MAX_TENSOR_DIMS} sizes")
     # bool is an int subclass, and a float such as 4.9 must not become 4.
-    if not all(type(d) is int and 1 <= d <= _U64_MAX for d in shape):
+    if not all(type(d) is int and 1 <= d <= U64_MAX for d in shape):
         raise ValueError(f"{where}: every dimension must be an integer in 1..2^64-1")
-    if math.prod(shape) > _U64_MAX:
+    if math.prod(shape) > U64_MAX:
         raise ValueError(f"{where}: numel exceeds 2^64-1")
     return TensorSpec(name, tuple(shape))
 

@@ -14,6 +14,8 @@ from .constants import (
     DIGEST_SIZE,
     ERROR_TEXT_LIMIT,
     MAX_STREAMS,
+    U32_MAX,
+    U64_MAX,
     FrameType,
     WireDtype,
 )
@@ -23,8 +25,6 @@ from .layout import WireLayout
 BytesLike: TypeAlias = bytes | bytearray | memoryview
 
 _U16 = (1 << 16) - 1
-_U32 = (1 << 32) - 1
-_U64 = (1 << 64) - 1
 
 
 def as_byte_view(data: BytesLike) -> memoryview:
@@ -66,9 +66,9 @@ class Hello(Message):
     def __post_init__(self) -> None:
         _check_range(
             self,
-            learner_id=(self.learner_id, _U32),
-            generation=(self.generation, _U64),
-            num_fragments=(len(self.layout), _U32),
+            learner_id=(self.learner_id, U32_MAX),
+            generation=(self.generation, U64_MAX),
+            num_fragments=(len(self.layout), U32_MAX),
         )
         if self.generation == 0:
             raise LocalProtocolError(ErrorCode.ZERO_GENERATION, "generation must be nonzero")
@@ -92,8 +92,8 @@ class DataHello(Message):
     def __post_init__(self) -> None:
         _check_range(
             self,
-            learner_id=(self.learner_id, _U32),
-            generation=(self.generation, _U64),
+            learner_id=(self.learner_id, U32_MAX),
+            generation=(self.generation, U64_MAX),
             stream_idx=(self.stream_idx, _U16),
         )
         if self.generation == 0:
@@ -107,7 +107,7 @@ class InitParams(Message):
     data: memoryview = field(repr=False)
 
     def __post_init__(self) -> None:
-        _check_range(self, fragment_id=(self.fragment_id, _U32))
+        _check_range(self, fragment_id=(self.fragment_id, U32_MAX))
         object.__setattr__(self, "data", as_byte_view(self.data))
 
 
@@ -121,9 +121,9 @@ class PullReq(Message):
     def __post_init__(self) -> None:
         _check_range(
             self,
-            fragment_id=(self.fragment_id, _U32),
-            global_step=(self.global_step, _U64),
-            round_attempt=(self.round_attempt, _U32),
+            fragment_id=(self.fragment_id, U32_MAX),
+            global_step=(self.global_step, U64_MAX),
+            round_attempt=(self.round_attempt, U32_MAX),
         )
 
 
@@ -144,14 +144,14 @@ class PushFragment(Message):
     def __post_init__(self) -> None:
         _check_range(
             self,
-            learner_id=(self.learner_id, _U32),
-            fragment_id=(self.fragment_id, _U32),
-            global_step=(self.global_step, _U64),
-            round_attempt=(self.round_attempt, _U32),
-            base_version=(self.base_version, _U64),
-            local_step=(self.local_step, _U64),
-            c_steps=(self.c_steps, _U32),
-            c_tokens=(self.c_tokens, _U64),
+            learner_id=(self.learner_id, U32_MAX),
+            fragment_id=(self.fragment_id, U32_MAX),
+            global_step=(self.global_step, U64_MAX),
+            round_attempt=(self.round_attempt, U32_MAX),
+            base_version=(self.base_version, U64_MAX),
+            local_step=(self.local_step, U64_MAX),
+            c_steps=(self.c_steps, U32_MAX),
+            c_tokens=(self.c_tokens, U64_MAX),
         )
         if self.c_steps == 0:
             raise LocalProtocolError(ErrorCode.ZERO_C_STEPS, "a PUSH needs c_steps >= 1")
@@ -166,7 +166,7 @@ class BcastFragment(Message):
     data: memoryview = field(repr=False)
 
     def __post_init__(self) -> None:
-        _check_range(self, fragment_id=(self.fragment_id, _U32), version=(self.version, _U64))
+        _check_range(self, fragment_id=(self.fragment_id, U32_MAX), version=(self.version, U64_MAX))
         object.__setattr__(self, "data", as_byte_view(self.data))
 
 
@@ -177,7 +177,9 @@ class Heartbeat(Message):
     local_step: int
 
     def __post_init__(self) -> None:
-        _check_range(self, learner_id=(self.learner_id, _U32), local_step=(self.local_step, _U64))
+        _check_range(
+            self, learner_id=(self.learner_id, U32_MAX), local_step=(self.local_step, U64_MAX)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,9 +198,9 @@ class Chunk(Message):
     def __post_init__(self) -> None:
         _check_range(
             self,
-            msg_id=(self.msg_id, _U64),
-            total_len=(self.total_len, _U64),
-            offset=(self.offset, _U64),
+            msg_id=(self.msg_id, U64_MAX),
+            total_len=(self.total_len, U64_MAX),
+            offset=(self.offset, U64_MAX),
         )
         object.__setattr__(self, "data", as_byte_view(self.data))
 
@@ -229,11 +231,11 @@ class FinalManifest(Message):
         object.__setattr__(self, "expected_versions", tuple(self.expected_versions))
         _check_range(
             self,
-            final_global_step=(self.final_global_step, _U64),
-            num_fragments=(len(self.expected_versions), _U32),
+            final_global_step=(self.final_global_step, U64_MAX),
+            num_fragments=(len(self.expected_versions), U32_MAX),
         )
         for version in self.expected_versions:
-            _check_range(self, expected_version=(version, _U64))
+            _check_range(self, expected_version=(version, U64_MAX))
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +244,7 @@ class FinalAck(Message):
     final_global_step: int
 
     def __post_init__(self) -> None:
-        _check_range(self, final_global_step=(self.final_global_step, _U64))
+        _check_range(self, final_global_step=(self.final_global_step, U64_MAX))
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +257,7 @@ class FinalFragment(Message):
     data: memoryview = field(repr=False)
 
     def __post_init__(self) -> None:
-        _check_range(self, fragment_id=(self.fragment_id, _U32), version=(self.version, _U64))
+        _check_range(self, fragment_id=(self.fragment_id, U32_MAX), version=(self.version, U64_MAX))
         object.__setattr__(self, "data", as_byte_view(self.data))
         if len(self.data) % 4:
             raise LocalProtocolError(ErrorCode.BAD_TENSOR_LENGTH, "f32 bytes come in fours")
@@ -267,7 +269,7 @@ class BudgetDone(Message):
     exact_local_steps: int
 
     def __post_init__(self) -> None:
-        _check_range(self, exact_local_steps=(self.exact_local_steps, _U64))
+        _check_range(self, exact_local_steps=(self.exact_local_steps, U64_MAX))
 
 
 AnyMessage: TypeAlias = (

@@ -47,15 +47,15 @@ from .constants import (
     FRAME_MAGIC,
     MAX_STREAMS,
     PROTOCOL_VERSION,
+    U64_MAX,
     FrameType,
     MergeMode,
     WireDtype,
 )
 from .errors import ErrorCode
 
-_U64_MAX = (1 << 64) - 1
 #: Largest fragment numel whose f32 frame size (plus headers) still fits a u64.
-MAX_FRAGMENT_NUMEL = (_U64_MAX - 13 - 64) // 4
+MAX_FRAGMENT_NUMEL = (U64_MAX - 13 - 64) // 4
 
 Predicate = Callable[[Any, int], bool]
 
@@ -102,7 +102,7 @@ class Require(Construct):  # type: ignore[misc]
 
     def _build(self, obj: Any, stream: io.BytesIO, context: Any, path: str) -> Any:
         # While building, "bytes remaining" has no meaning; only field checks apply.
-        if not self.parse_only and not self.predicate(context, _U64_MAX):
+        if not self.parse_only and not self.predicate(context, U64_MAX):
             raise self._error(context)
         return obj
 

@@ -13,15 +13,13 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from yeto_proto.constants import IsoBackend
+from yeto_proto.constants import U32_MAX, U64_MAX, IsoBackend
 from yeto_proto.identity import DeltaCorrection, LearnerWeight, SyncerProfile
 
 from .host_names import host_name_problem
 
 DEFAULT_PORT = 29400
 DEFAULT_HOST = "127.0.0.1"
-_U32_MAX = (1 << 32) - 1
-_U64_MAX = (1 << 64) - 1
 #: The largest finite float32, 3.4028234663852886e+38.
 _F32_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
 
@@ -66,19 +64,19 @@ class SyncerConfig:
         object.__setattr__(self, "iso_backend", IsoBackend(self.iso_backend))
         # Each range is the flag's whole range: its wire type (the profile's, PINNED.md) or
         # what the daemon can do, and each message says all of it.
-        _require_in("learners", self.learners, 1, _U32_MAX)
-        _require_in("total_steps", self.total_steps, 0, _U64_MAX)
-        _require_in("quorum", self.quorum, 1, _U32_MAX)
-        _require_in("pipeline", self.pipeline, 0, _U32_MAX)
+        _require_in("learners", self.learners, 1, U32_MAX)
+        _require_in("total_steps", self.total_steps, 0, U64_MAX)
+        _require_in("quorum", self.quorum, 1, U32_MAX)
+        _require_in("pipeline", self.pipeline, 0, U32_MAX)
         _require_in("port", self.port, 0, 65535)
         host_problem = host_name_problem(self.host)
         _require(host_problem is None, f"--host {self.host!r}: {host_problem}")
         for name in ("grace_ms", "min_round_interval_ms"):
-            _require_in(name, getattr(self, name), 0, _U64_MAX)
+            _require_in(name, getattr(self, name), 0, U64_MAX)
         # 0 would end every attempt the instant it launched: retries without end, no round ever.
-        _require_in("quorum_timeout_s", self.quorum_timeout_s, 1, _U64_MAX)
+        _require_in("quorum_timeout_s", self.quorum_timeout_s, 1, U64_MAX)
         if self.final_ack_timeout_s is not None:
-            _require_in("final_ack_timeout_s", self.final_ack_timeout_s, 0, _U64_MAX)
+            _require_in("final_ack_timeout_s", self.final_ack_timeout_s, 0, U64_MAX)
         for name in ("grace_gamma", "grace_tau", "sync_interval_steps"):
             value = getattr(self, name)
             _require(
@@ -92,7 +90,7 @@ class SyncerConfig:
                 f"--{_flag(name)} must be a finite float32, in -{_F32_MAX}..{_F32_MAX}, "
                 f"got {value}",
             )
-        _require_in("checkpoint_every", self.checkpoint_every, 1, _U64_MAX)
+        _require_in("checkpoint_every", self.checkpoint_every, 1, U64_MAX)
         # A count of jobs the iso pool admits at once: any count >= 1 is one it can keep.
         _require(
             self.iso_worker_queue_capacity >= 1,
@@ -101,9 +99,9 @@ class SyncerConfig:
         )
         if self.learner_budget_steps is not None:
             # B travels as c_steps (u32): a larger budget is one no learner can report.
-            _require_in("learner_budget_steps", self.learner_budget_steps, 1, _U32_MAX)
+            _require_in("learner_budget_steps", self.learner_budget_steps, 1, U32_MAX)
         if self.max_base_lag is not None:
-            _require_in("max_base_lag", self.max_base_lag, 0, _U64_MAX)
+            _require_in("max_base_lag", self.max_base_lag, 0, U64_MAX)
 
     # -- derived values --------------------------------------------------------------------
     @property

@@ -39,7 +39,7 @@ from typing import Final, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 from numpy.typing import NDArray
 
-from yeto_proto.constants import IsoBackend, MergeMode
+from yeto_proto.constants import U64_MAX, IsoBackend, MergeMode
 from yeto_proto.dtypes import all_finite, f32_to_bf16, proven_finite
 from yeto_proto.identity import DeltaCorrection, LearnerWeight
 from yeto_proto.layout import WireFragment
@@ -72,7 +72,7 @@ HELOCO_EPS: Final = 1e-8
 #: Below this mean-direction norm rda falls back to avg.
 RDA_DEGENERATE_NORM: Final = 1e-12
 #: Where the ledger's counts stop: a u64 in the checkpoint.
-LEDGER_MAX: Final = (1 << 64) - 1
+LEDGER_MAX: Final = U64_MAX
 #: The least f64 that rounds to an infinite f32: halfway between the largest f32 and 2^128.
 F32_OVERFLOW: Final = float.fromhex("0x1.ffffffp+127")
 #: Iso keeps singular directions with σ > σ_max · max(rows, cols) · 2^-52.

@@ -56,14 +56,13 @@ from yeto_proto import (
     WireDtype,
     WireLayout,
 )
+from yeto_proto.constants import U32_MAX
 from yeto_proto.dtypes import all_finite, decode_tensor, encode_tensor
 
 from .effects import AnchorRecorded, ApplyBroadcast, Effect, ShutdownReceived, SyncerFailed
 from .finalization import Finalization
 from .reconnect import fresh_generation
 from .versions import Arrival, MonotonicCache, Versioned
-
-_U32 = (1 << 32) - 1
 
 #: Reads one fragment's current local parameters as a flat f32 array of its numel.
 ReadLocal: TypeAlias = Callable[[int], NDArray[np.float32]]
@@ -120,10 +119,10 @@ class LearnerSession:
             num_streams=0,
             profile_hash=None if profile_hash is None else bytes(profile_hash),
         )
-        if budget_steps is not None and not 1 <= budget_steps <= _U32:
+        if budget_steps is not None and not 1 <= budget_steps <= U32_MAX:
             # A frozen PUSH carries c_steps = budget, a u32.
             raise LocalProtocolError(
-                ErrorCode.FIELD_OUT_OF_RANGE, f"budget_steps={budget_steps} outside 1..{_U32}"
+                ErrorCode.FIELD_OUT_OF_RANGE, f"budget_steps={budget_steps} outside 1..{U32_MAX}"
             )
         self.layout = layout
         self.dtype = WireDtype(dtype)

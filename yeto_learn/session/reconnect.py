@@ -9,11 +9,11 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Container
 
+from yeto_proto.constants import U64_MAX
+
 #: First redial delay, doubled after every failed attempt up to the cap (spec/learner.md).
 BACKOFF_INITIAL_S = 1.0
 BACKOFF_CAP_S = 30.0
-
-_U64 = (1 << 64) - 1
 
 
 def backoff_delay(failures: int) -> float:
@@ -36,6 +36,6 @@ def _random_u64() -> int:
 def fresh_generation(used: Container[int], draw: Callable[[], int] = _random_u64) -> int:
     """A nonzero u64 connection generation not in ``used`` (drawn at random by default)."""
     while True:
-        generation = draw() & _U64
+        generation = draw() & U64_MAX
         if generation != 0 and generation not in used:
             return generation

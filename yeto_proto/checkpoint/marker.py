@@ -14,13 +14,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..constants import U64_MAX
 from ..errors import CheckpointError, ErrorCode
 from .atomic import fsync_path, io_error, open_regular_file, write_bytes_atomically
 
 MARKER_SUFFIX = ".final"
 _HEADER = b"YETO_FINAL_V1\n"
 _PATTERN = re.compile(rb"YETO_FINAL_V1\nglobal_step=(0|[1-9][0-9]{0,19})\n")
-_U64_MAX = (1 << 64) - 1
 #: Longest valid marker (a 20-digit step); anything longer is refused without reading it all.
 MAX_MARKER_SIZE = len(_HEADER) + len(b"global_step=\n") + 20
 
@@ -30,7 +30,7 @@ def marker_path(checkpoint_path: str | os.PathLike[str]) -> Path:
 
 
 def final_marker_bytes(global_step: int) -> bytes:
-    if not 0 <= global_step <= _U64_MAX:
+    if not 0 <= global_step <= U64_MAX:
         raise ValueError(f"global_step {global_step} is not a u64")
     return _HEADER + b"global_step=%d\n" % global_step
 
@@ -39,7 +39,7 @@ def parse_final_marker(data: bytes, *, where: str = "marker") -> int:
     """The global step a marker names; ``CKPT_BAD_MARKER`` unless the bytes are exact."""
     match = _PATTERN.fullmatch(data)
     step = int(match.group(1)) if match else -1
-    if not 0 <= step <= _U64_MAX:
+    if not 0 <= step <= U64_MAX:
         raise CheckpointError(
             ErrorCode.CKPT_BAD_MARKER,
             f"not exactly 'YETO_FINAL_V1\\nglobal_step=<u64 decimal>\\n' (file {where})",

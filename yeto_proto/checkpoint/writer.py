@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from ..constants import DIGEST_SIZE, IsoBackend
+from ..constants import DIGEST_SIZE, U32_MAX, U64_MAX, IsoBackend
 from ..errors import ErrorCode, LocalProtocolError
 from .atomic import atomic_replace, io_error
 from .model import F32, Checkpoint, CheckpointFormat, F32Array, LedgerEntry
@@ -32,9 +32,6 @@ from .schema import (
     FragmentCount,
     LedgerCount,
 )
-
-_U32_MAX = (1 << 32) - 1
-_U64_MAX = (1 << 64) - 1
 
 
 def _bad(detail: str) -> LocalProtocolError:
@@ -93,7 +90,7 @@ class CheckpointWriter:
         the old one (:func:`~yeto_proto.checkpoint.atomic.atomic_replace`)."""
         self._fingerprint = _check_digest(fingerprint, "fingerprint")
         self._contract = _check_digest(contract, "contract")
-        if _check_u(num_fragments, _U32_MAX, "F") < 1:
+        if _check_u(num_fragments, U32_MAX, "F") < 1:
             raise _bad("F 0 is not in 1..2^32-1")
         self._num_fragments = int(num_fragments)
         if isinstance(iso_backend, bool) or iso_backend not in set(IsoBackend):
@@ -102,7 +99,7 @@ class CheckpointWriter:
             {
                 "iso_backend": int(iso_backend),
                 "fingerprint": self._fingerprint,
-                "global_step": _check_u(global_step, _U64_MAX, "global_step"),
+                "global_step": _check_u(global_step, U64_MAX, "global_step"),
             }
         )
         self._path = Path(path)
@@ -130,7 +127,7 @@ class CheckpointWriter:
         if params.size > MAX_CHECKPOINT_NUMEL:
             raise _bad(f"numel {params.size} is too large")
         self._write(
-            FRAGMENT_HEADER.pack(_check_u(version, _U64_MAX, "version"), int(params.size)),
+            FRAGMENT_HEADER.pack(_check_u(version, U64_MAX, "version"), int(params.size)),
             _byte_view(params),
             _byte_view(momentum),
         )
@@ -142,10 +139,10 @@ class CheckpointWriter:
             raise _bad(f"{self._written} of {self._num_fragments} fragments written")
         rows = [
             (
-                _check_u(e.learner_id, _U32_MAX, "learner_id"),
-                _check_u(e.merges, _U64_MAX, "merges"),
-                _check_u(e.steps, _U64_MAX, "steps"),
-                _check_u(e.tokens, _U64_MAX, "tokens"),
+                _check_u(e.learner_id, U32_MAX, "learner_id"),
+                _check_u(e.merges, U64_MAX, "merges"),
+                _check_u(e.steps, U64_MAX, "steps"),
+                _check_u(e.tokens, U64_MAX, "tokens"),
             )
             for e in ledger
         ]
