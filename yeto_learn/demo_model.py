@@ -58,6 +58,9 @@ CORPUS_MODULES = (
 )
 #: Every tenth block of the corpus is held out for evaluation.
 EVAL_EVERY = 10
+#: Past --max-steps a learner stops once no round advanced for this long: yeto launch's
+#: syncer gives a round as long to reach its quorum.
+STALL_TIMEOUT_S = 120.0
 EVAL_BLOCK = 2048
 
 
@@ -155,7 +158,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--merge", choices=("avg", "rda", "iso"), default="avg")
     parser.add_argument("--merge-alpha", type=float, default=0.5)
     parser.add_argument("--streams", type=int, default=4)
-    parser.add_argument("--max-steps", type=int, default=4000, help="stop training here at most")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=4000,
+        help="past this many local steps, train on only while the syncer's rounds advance",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=STALL_TIMEOUT_S,
+        help="past --max-steps, stop once no round has advanced for this many seconds",
+    )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0, help="model initialization seed")
@@ -294,8 +308,16 @@ def _train(args: argparse.Namespace, rank: int, world: int, termination: _Termin
     running = math.nan
     last_report = 0.0
     steps = 0
+    rounds = RoundWatch(time.monotonic())
+    capped = False
     try:
-        while not learner.final_ready and steps < args.max_steps:
+        while not learner.final_ready:
+            # The cap guards against a syncer that stopped, not one that is slow: past it,
+            # training goes on while rounds advance (a pause of a few seconds ends no run).
+            stalled_s = rounds.stalled_for(learner.stats.global_step, time.monotonic())
+            if steps >= args.max_steps and stalled_s >= args.stall_timeout:
+                capped = True
+                break
             x, y = sample_batch(corpus.train, args.batch_size, context, generator)
             loss = nn.functional.cross_entropy(trained(x).float(), y)
             torch.autograd.backward(loss)
@@ -320,9 +342,12 @@ def _train(args: argparse.Namespace, rank: int, world: int, termination: _Termin
     except LearnerError as exc:
         text = str(exc)
         if isinstance(exc, FinishStuck):
-            text = _cap_reached(args.max_steps, learner.stats.global_step)
-        elif steps >= args.max_steps:
-            text += f" (after it reached its cap of {args.max_steps} local steps)"
+            text = _cap_reached(args, learner.stats.global_step)
+        elif capped:
+            text += (
+                f" (it had stopped training at its cap of {args.max_steps} local steps, no "
+                f"round having advanced for {args.stall_timeout:g} s)"
+            )
         print(f"learner {args.learner_id}: {text}", file=sys.stderr, flush=True)
         learner.close()
         return 1
@@ -351,13 +376,26 @@ def _train(args: argparse.Namespace, rank: int, world: int, termination: _Termin
     return 0
 
 
-def _cap_reached(max_steps: int, global_step: int) -> str:
+class RoundWatch:
+    """How long the syncer's rounds have not advanced, from the global step a learner holds."""
+
+    def __init__(self, now: float) -> None:
+        self._global_step = -1
+        self._advanced_at = now
+
+    def stalled_for(self, global_step: int, now: float) -> float:
+        if global_step != self._global_step:
+            self._global_step, self._advanced_at = global_step, now
+        return now - self._advanced_at
+
+
+def _cap_reached(args: argparse.Namespace, global_step: int) -> str:
     return (
-        f"reached its cap of {max_steps} local steps (--max-steps; yeto launch passes "
-        f"4 x --steps) before the syncer finished the run (its rounds were at global step "
-        f"{global_step}): the rounds fell behind the learners' training, because the syncer "
-        "or a learner stalled (see their logs) or because this machine has too few cores for "
-        "--learners; try a larger --steps or --sync-interval, or fewer --learners"
+        f"reached its cap of {args.max_steps} local steps (--max-steps; yeto launch passes "
+        f"4 x --steps), and no round advanced for {args.stall_timeout:g} s before the syncer "
+        f"finished the run (its rounds were at global step {global_step}): the syncer or a "
+        "learner stalled (see their logs), or this machine has too few cores for --learners; "
+        "try fewer --learners or a larger --sync-interval"
     )
 
 

@@ -77,8 +77,12 @@ STOP_GRACE_S = 5.0
 SYNCER_START_TIMEOUT_S = 30.0
 #: Seconds between status lines when stdout is not a terminal.
 PLAIN_REPORT_EVERY_S = 5.0
-#: Learners train at most this many times --steps local steps (their --max-steps).
+#: Past this many times --steps local steps (their --max-steps), learners train on only while
+#: rounds advance.
 LEARNER_STEP_CAP = 4
+#: Seconds a round may take to reach its quorum; a learner past its cap stops after as many
+#: seconds without a round.
+ROUND_TIMEOUT_S = 120
 
 
 def register(commands: Commands) -> None:
@@ -89,9 +93,10 @@ def register(commands: Commands) -> None:
             "Start a yeto-sync and M learner processes on 127.0.0.1 and train a small "
             "byte-level language model on Python's own standard library sources (no "
             "downloads). The syncer runs --total-steps = steps x fragments / sync-interval "
-            "rounds; learners train until its final cut (at most 4 x --steps). A stopped or "
-            "failed run cannot be resumed: its last line names the checkpoint it kept and the "
-            "yeto checkpoint commands that inspect it and export its parameters."
+            "rounds; learners train until its final cut (past 4 x --steps only while rounds "
+            "advance). A stopped or failed run cannot be resumed: its last line names the "
+            "checkpoint it kept and the yeto checkpoint commands that inspect it and export its "
+            "parameters."
         ),
         formatter_class=HelpFormatter,
     )
@@ -108,7 +113,7 @@ def register(commands: Commands) -> None:
             "run length: the syncer runs steps x fragments / sync-interval rounds (at least "
             "fragments); learners train until its final cut, usually more than --steps local "
             "steps each (rounds run slower than their pacing, start-up and the final cut add "
-            "steps), at most 4 x steps"
+            "steps); past 4 x steps, only while rounds advance"
         ),
     )
     parser.add_argument(
@@ -382,8 +387,8 @@ def total_rounds(steps: int, fragments: int, sync_interval: int) -> int:
 
 
 def most_steps(fragments: int, sync_interval: int) -> int:
-    """The largest ``--steps``: learners stop at :data:`LEARNER_STEP_CAP` x steps local steps
-    and the syncer runs steps x fragments / sync-interval rounds, both u64 on the wire."""
+    """The largest ``--steps``: learners are capped at :data:`LEARNER_STEP_CAP` x steps local
+    steps and the syncer runs steps x fragments / sync-interval rounds, both u64 on the wire."""
     by_rounds = ((U64_MAX + 1) * sync_interval - 1) // fragments  # total_rounds() <= U64_MAX
     return min(U64_MAX // LEARNER_STEP_CAP, by_rounds)
 
@@ -556,7 +561,7 @@ def _launch(
         "--mark-final-checkpoint",
         "--final-state", str(paths.final_state),
         "--event-tape", str(paths.tape),
-        "--quorum-timeout-s", "120",
+        "--quorum-timeout-s", str(ROUND_TIMEOUT_S),
         "--final-ack-timeout-s", "120",
     ]  # fmt: skip
     syncer = _spawn("the syncer", syncer_argv, paths.syncer_log, env)
@@ -590,6 +595,7 @@ def _launch(
             "--merge-alpha", str(args.merge_alpha),
             "--streams", str(args.streams),
             "--max-steps", str(LEARNER_STEP_CAP * args.steps),
+            "--stall-timeout", str(ROUND_TIMEOUT_S),
             "--batch-size", str(args.batch_size),
             "--out", str(paths.learner_dir(i)),
             "--run-id", run_id,
