@@ -92,6 +92,27 @@ def test_tape_check_refuses_an_incomplete_consolidation(
     assert complaint in check.detail
 
 
+def test_tape_check_leaves_out_the_lines_a_resume_discarded(tmp_path: Path) -> None:
+    """A consolidation syncer stopped after taping step 12 but before its checkpoint: the
+    resumed run redoes 12, so its line appears twice, the first before the `resumed` line."""
+    records = [
+        merge_line(11, 0, [0, 1]),
+        merge_line(12, 1, [0, 1]),
+        {"event": "resumed", "step": 11, "next_step": 12, "versions": [11, 9]},
+        merge_line(12, 1, [0, 1]),
+        {"event": "final_cut", "step": 12},
+    ]
+    tape = write_tape(tmp_path / "t", records)
+    check = check_consolidation_tape(tape, cutoff_step=10, fragments=2, learners=2)
+    assert check.ok and check.rounds == 2, check.detail
+    # A line at or below the resumed step survives the restart: a second one is a defect.
+    records[2] = {"event": "resumed", "step": 12, "next_step": 13, "versions": [11, 12]}
+    check = check_consolidation_tape(
+        write_tape(tmp_path / "t", records), cutoff_step=10, fragments=2, learners=2
+    )
+    assert not check.ok and "round 12: 2 merge lines" in check.detail
+
+
 def test_tape_check_refuses_an_unreadable_tape(tmp_path: Path) -> None:
     (tmp_path / "t").write_text("{not json\n", encoding="utf-8")
     check = check_consolidation_tape(tmp_path / "t", cutoff_step=0, fragments=1, learners=1)

@@ -122,6 +122,14 @@ def test_checkpoint_every_n_commits_before_the_broadcast(
             and a.message.version == write.state.global_step
             for a in before
         )
+        # The step's merge line is taped before its checkpoint: a stop between the two must
+        # not leave a checkpointed step without its line (a resumed run never redoes it).
+        taped = [
+            a.record["step"]
+            for a in before
+            if isinstance(a, AppendTape) and "event" not in a.record
+        ]
+        assert write.state.global_step in taped
 
 
 def test_no_checkpoint_without_a_path() -> None:

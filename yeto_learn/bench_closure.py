@@ -208,11 +208,14 @@ def check_consolidation_tape(
         return TapeCheck(False, 0, f"cannot read the event tape {path}: {exc}")
     merges: dict[int, list[dict[str, Any]]] = {}
     for record in records:
-        if (
-            isinstance(record, dict)
-            and "event" not in record
-            and record.get("step") in expected_steps
-        ):
+        if not isinstance(record, dict):
+            continue
+        if record.get("event") == "resumed" and isinstance(record.get("step"), int):
+            # A restart discarded every commit above its checkpoint (spec/syncer.md § 11):
+            # the lines before it for those steps describe nothing that survived.
+            for step in [s for s in merges if s > record["step"]]:
+                del merges[step]
+        elif "event" not in record and record.get("step") in expected_steps:
             merges.setdefault(int(record["step"]), []).append(record)
     problems = []
     covered = set()

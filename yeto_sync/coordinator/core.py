@@ -1016,14 +1016,17 @@ class Coordinator:
             self._bcasts[done.fragment] = streamed.message
         elif bcast_bf16 is not None:  # encoded by the merge pass itself
             self._bcasts[done.fragment] = bcast_of_bf16(done.fragment, done.step, bcast_bf16)
-        if self._checkpoints_at(done.step):
-            # Durable before the broadcast below leaves (the transport runs actions in order).
-            out.append(WriteCheckpoint(self._snapshot(session)))
-        self._broadcast(done.fragment, self._registry.current_members(), out)
+        # Taped before the checkpoint: a stop (or a failed write) between the two then only
+        # repeats the line after a resume, where a line after the checkpoint would be lost for
+        # a step that the checkpoint covers and no resumed run redoes.
         record = tape.merge_record(
             done, merged, sync_s=sync_s, merge_mode=slot.geometry.merge_mode.name.lower()
         )
         out.append(AppendTape(record))
+        if self._checkpoints_at(done.step):
+            # Durable before the broadcast below leaves (the transport runs actions in order).
+            out.append(WriteCheckpoint(self._snapshot(session)))
+        self._broadcast(done.fragment, self._registry.current_members(), out)
         if merged.weights and not sum(merged.weights) > 0.0:
             # Pinned: Δ = 0 and the outer step still runs. Almost surely a learner bug (a
             # training loop that reports no tokens), so it must not pass unnoticed.
