@@ -15,7 +15,8 @@ from yeto_proto.layout import WireFragment, WireLayout
 from yeto_proto.limits import Limits
 from yeto_proto.messages import PullReq
 from yeto_sync.config import SyncerConfig
-from yeto_sync.events import AdmitGroup, CloseGroup, GroupKey, Log, RefuseConnection
+from yeto_sync.coordinator.registry import Registry
+from yeto_sync.events import AdmitGroup, CloseGroup, ConnId, GroupKey, Log, RefuseConnection
 
 LAYOUT = avg_layout((4,), (6,))
 
@@ -210,3 +211,33 @@ def test_a_layout_difference_in_iso_shapes_or_a_later_tensor_is_named() -> None:
     five = avg_layout((1, 2, 3, 4, 5))
     other = avg_layout((1, 2, 3, 4, 6))
     assert _layout_difference(other, five) == "fragment 0 tensor 4 has 6 values, the session's 5"
+
+
+def test_a_group_ready_before_the_session_starts_names_the_learners_it_waits_for() -> None:
+    """A session starts only with every learner id: after a resume, one that got its SHUTDOWN
+    before the crash never comes back, and the log must say which ids are missing."""
+    sim = Sim(SyncerConfig(learners=4, total_steps=4), LAYOUT)
+    crew = {learner_id: sim.learner(learner_id) for learner_id in range(4)}
+    for learner_id in (2, 0):
+        crew[learner_id].connect()
+    waits = [log.fields["session_waits_for"] for log in sim.logs("group ready")]
+    assert waits == ["0,1,3", "1,3"]
+    crew[0].init_all([np.zeros(n, np.float32) for n in LAYOUT.numels])
+    for learner_id in (1, 3):
+        crew[learner_id].connect()
+    waits = [log.fields.get("session_waits_for") for log in sim.logs("group ready")]
+    assert waits == ["0,1,3", "1,3", "3", None]  # the last one started the session
+    assert sim.logs("session started")
+
+
+def test_the_missing_learners_of_a_huge_session_are_named_in_part() -> None:
+    registry = Registry()
+    for learner_id in (0, 5, (1 << 32) - 2):
+        key = GroupKey(learner_id, 1)
+        registry.admit(key, ConnId(learner_id), 0)
+        registry.mark_ready(key)
+    assert registry.missing_learners((1 << 32) - 1, most=6) == (
+        f"1,2,3,4,6,7 and {(1 << 32) - 1 - 3 - 6} more"
+    )
+    assert registry.missing_learners(6) == "1,2,3,4"
+    assert registry.missing_learners(8, most=16) == "1,2,3,4,6,7"

@@ -392,6 +392,10 @@ class Coordinator:
         fields: dict[str, Any] = {**_member_fields(key), "current": self._registry.is_current(key)}
         if superseded is not None:
             fields["superseded_generation"] = superseded.generation
+        # A session starts only with every learner id: say which ones it still waits for
+        # (after a resume, a learner that already got its SHUTDOWN never comes back).
+        if not self._started and (waits := self._registry.missing_learners(self.config.learners)):
+            fields["session_waits_for"] = waits
         out.append(Log("info", "group ready", fields))
         model = self._require_model()
         for fragment, slot in enumerate(model.fragments):

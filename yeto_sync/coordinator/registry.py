@@ -62,6 +62,20 @@ class Registry:
     def current_of(self, learner_id: int) -> GroupKey | None:
         return self._current.get(learner_id)
 
+    def missing_learners(self, learners: int, most: int = 16) -> str:
+        """The learner ids ``0..learners-1`` without a current generation, for a log line: at
+        most ``most`` of them, then how many more (found in the gaps between the connected
+        ids, so a huge ``learners`` costs nothing)."""
+        present = sorted(i for i in self._current if i < learners)
+        missing: list[int] = []
+        expected = 0
+        for connected in [*present, learners]:
+            missing.extend(range(expected, min(connected, expected + most - len(missing))))
+            expected = connected + 1
+        count = learners - len(present)
+        more = f" and {count - len(missing)} more" if count > len(missing) else ""
+        return ",".join(map(str, missing)) + more
+
     def current_members(self) -> tuple[GroupKey, ...]:
         """The current ready generation of every connected learner, ascending."""
         return tuple(sorted(self._current.values()))
