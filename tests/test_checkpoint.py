@@ -4,6 +4,7 @@ layout proof for export. The byte-level golden cases live in conformance/test_ch
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import os
 import subprocess
@@ -416,6 +417,25 @@ def test_atomic_small_write_replaces_and_cleans_up(tmp_path: Path) -> None:
         write_bytes_atomically(tmp_path / "no" / "f", b"x")
     assert caught.value.code is ErrorCode.CKPT_IO
     assert caught.value.section != UNSYNCED_RENAME  # nothing was replaced
+
+
+def test_a_write_to_a_read_only_file_system_fails_with_its_own_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a read-only mount the staging file is never created and removing it fails with
+    EROFS, not ENOENT: that second error replaced the write's own, a traceback in every
+    command."""
+
+    def read_only(self: Path, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    monkeypatch.setattr(atomic, "open", lambda path, *a, **k: read_only(Path(path)), raising=False)
+    with pytest.raises(CheckpointError) as caught:
+        write_bytes_atomically(tmp_path / "f", b"x")
+    assert caught.value.code is ErrorCode.CKPT_IO
+    assert "Read-only file system" in str(caught.value), caught.value
+    assert f"(file {tmp_path / 'f'})" in str(caught.value), caught.value
 
 
 def test_a_directory_sync_failing_after_the_rename_says_the_new_file_is_in_place(

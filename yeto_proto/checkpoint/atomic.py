@@ -181,7 +181,9 @@ def atomic_replace(
             before_replace()
         os.replace(staging, final)
     except BaseException as exc:
-        with contextlib.suppress(FileNotFoundError):
+        # Any failure here (EROFS on a read-only mount, where the file never came to be)
+        # must not hide the error that ended the write.
+        with contextlib.suppress(OSError):
             staging.unlink()
         if isinstance(exc, OSError):
             raise io_error(final, exc) from exc
