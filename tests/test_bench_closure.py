@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,7 +34,19 @@ from yeto_learn.bench_closure import (
     check_consolidation_tape,
     run_closure,
 )
-from yeto_proto.checkpoint import marker_path, marker_state, read_checkpoint
+from yeto_proto import FragmentSpec, Layout, MergeMode, TensorSpec
+from yeto_proto.checkpoint import (
+    Checkpoint,
+    CheckpointFormat,
+    FragmentState,
+    TrailerKind,
+    marker_path,
+    marker_state,
+    read_checkpoint,
+    write_checkpoint,
+    write_final_marker,
+)
+from yeto_proto.constants import IsoBackend
 
 pytest.importorskip("torch")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -239,7 +252,8 @@ def test_bench_command_exits_1_when_the_closure_fails(
 ) -> None:
     out = tmp_path / "fresh"
     assert cli.main(["bench", "--out", str(out)]) == 1
-    assert "nothing exported: the closure is not run" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "nothing exported: the closure is not run in this test; kept: no checkpoint" in err
     assert [config.out for config in no_closure] == [out]
 
 
@@ -427,11 +441,8 @@ def test_sigterm_stops_the_bench_and_its_syncer(tmp_path: Path) -> None:
                     os.kill(pid, signal.SIGKILL)
     assert not outlived, "a syncer outlived the bench"
     assert bench.returncode == 128 + signal.SIGTERM, errors
-    assert (
-        errors.strip()
-        .splitlines()[-1]
-        .endswith("stopped by SIGTERM; every syncer stopped, nothing exported")
-    ), errors
+    last = errors.strip().splitlines()[-1]
+    assert "stopped by SIGTERM; every syncer stopped, nothing exported; kept: " in last, errors
     assert "Traceback" not in errors
     assert not (out / EXPORT_FILE).exists()
 
@@ -460,7 +471,8 @@ def test_sigterm_while_the_bench_forks_its_syncer_stops_it(tmp_path: Path, where
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        "yeto bench: stopped by SIGTERM; every syncer stopped, nothing exported"
+        "yeto bench: stopped by SIGTERM; every syncer stopped, nothing exported; "
+        "kept: no checkpoint (none was written yet)"
     )
     assert took < 30, f"stopping took {took:.1f} s"
     assert not left, f"processes {left} outlived the bench"
@@ -511,3 +523,43 @@ def test_learner_budget_must_fit_c_steps() -> None:
                 num_learners=1,
                 budget_steps=budget,
             )
+
+
+def test_a_bench_that_did_not_finish_names_the_checkpoint_it_kept_and_its_commands(
+    tmp_path: Path,
+) -> None:
+    """Stopped after the consolidation wrote its marked final checkpoint but before the
+    export, the bench said only "nothing exported": the state worth keeping went unnamed."""
+    layout = Layout((FragmentSpec(MergeMode.AVG, (TensorSpec("w", (4,)),)),))
+    checkpoint = tmp_path / CHECKPOINT_FILE
+    assert bench_closure._kept(tmp_path) == "no checkpoint (none was written yet)"
+    write_checkpoint(
+        checkpoint,
+        Checkpoint(
+            format=CheckpointFormat.V3,
+            iso_backend=IsoBackend.SCALAR,
+            fingerprint=layout.fingerprint(),
+            global_step=9,
+            fragments=(FragmentState(9, np.ones(4, np.float32), np.zeros(4, np.float32)),),
+            ledger=(),
+            contract=bytes(32),
+            trailer=TrailerKind.FINGERPRINT_AND_CONTRACT,
+        ),
+    )
+    said = bench_closure._kept(tmp_path)
+    assert said.startswith(f"checkpoint (not marked final) {checkpoint} at global_step 9 ("), said
+    assert f"`yeto checkpoint inspect {checkpoint}`" in said and "export" not in said, said
+    write_final_marker(checkpoint, 9)
+    (tmp_path / "learner-0").mkdir()
+    (tmp_path / "learner-0" / "layout.json").write_text(layout.to_json(), encoding="utf-8")
+    said = bench_closure._kept(tmp_path)
+    assert said.startswith(f"final checkpoint {checkpoint} at global_step 9 (yeto bench cannot")
+    export = re.search(r"`(yeto checkpoint export [^`]*)`", said)
+    assert export is not None, said
+    out = tmp_path / EXPORT_FILE
+    assert export.group(1) == (
+        f"yeto checkpoint export {checkpoint} --layout {tmp_path / 'learner-0' / 'layout.json'} "
+        f"--out {out}"
+    )
+    assert cli.main(export.group(1).split()[1:]) == 0  # the command runs as given
+    assert safetensors_numpy.load_file(str(out))["w"].tolist() == [1.0] * 4

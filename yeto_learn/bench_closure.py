@@ -67,8 +67,10 @@ from .command_options import (
     out_of_range,
 )
 from .demo_shapes import byte_model_shapes
+from .kept_checkpoint import checkpoint_use, describe_kept
 from .model_layout import most_fragments
 from .process_control import Stopped, first_line, poll_until, say, spawn, stops_recorded
+from .safetensors_file import write_safetensors
 
 if TYPE_CHECKING:
     from .cli import Commands
@@ -602,7 +604,7 @@ def run_closure(
             )
         learner = crew.learners[0]
         export_path = out / EXPORT_FILE
-        initial_loss, final_loss = _export(final, learner, out, export_path)
+        initial_loss, final_loss = _export(final, learner, out, export_path, check)
         del final
         say(f"export     : {export_path} (global step {final_step})")
         say(f"eval loss  : {initial_loss:.4f} at the start → {final_loss:.4f} consolidated")
@@ -634,12 +636,11 @@ def _read(path: Path, what: str) -> Checkpoint:
 
 
 def _export(
-    checkpoint: Checkpoint, learner: Learner, out: Path, target: Path
+    checkpoint: Checkpoint, learner: Learner, out: Path, target: Path, check: Callable[[], None]
 ) -> tuple[float, float]:
     """Marked checkpoint → safetensors through the learners' layout; eval loss before/after."""
-    import numpy as np
     import torch
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import load_file
 
     from .demo_model import ByteModel, Corpus, eval_loss
 
@@ -651,12 +652,10 @@ def _export(
     except ProtocolError as exc:
         raise ClosureFailed(f"export refused: {exc}") from None
     try:
-        with atomic_replace(target) as staging:
-            save_file(
-                {name: np.ascontiguousarray(values) for name, values in exported.tensors.items()},
-                os.fspath(staging),
-                metadata=exported.metadata,
-            )
+        # yeto's writer fills the staging file itself (the library's writes a hidden temporary
+        # file of its own naming, which a killed bench would leave behind).
+        with atomic_replace(target, before_replace=check) as staging:
+            write_safetensors(staging, exported.tensors, exported.metadata)
     except ProtocolError as exc:  # CKPT_IO: the target is a directory, the disk is full, ...
         raise ClosureFailed(f"export failed: {exc}") from None
     corpus = Corpus.load()
@@ -709,6 +708,17 @@ def register(commands: Commands) -> None:
     parser.set_defaults(handler=run, command_prog=parser.prog)
 
 
+def _kept(out: Path) -> str:
+    """The checkpoint a closure that did not finish leaves in ``out``, and how to use it."""
+    checkpoint = out / CHECKPOINT_FILE
+    # The learners write their layout at the final cut; the export writes one too.
+    layouts = [out / "learner-0" / LAYOUT_FILE, out / LAYOUT_FILE]
+    layout = next((path for path in layouts if path.exists()), layouts[0])
+    return describe_kept(checkpoint) + checkpoint_use(
+        checkpoint, layout, out / EXPORT_FILE, "yeto bench"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     try:  # every flag is checked before the output directory is made
         config = BenchConfig(
@@ -738,15 +748,24 @@ def run(args: argparse.Namespace) -> int:
             # stdout's reader may go away: it goes on
             result = run_closure(config, say=say, check=stops.check)
     except ClosureFailed as exc:
-        print(f"{args.command_prog}: closure failed, nothing exported: {exc}", file=sys.stderr)
+        print(
+            f"{args.command_prog}: closure failed, nothing exported: {exc}; "
+            f"kept: {_kept(config.out)}",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     except OSError as exc:  # the output directory failed under us (a log, a layout file)
         reason = f"{exc.strerror or exc} ({exc.filename})" if exc.filename else str(exc)
-        print(f"{args.command_prog}: closure failed, nothing exported: {reason}", file=sys.stderr)
+        print(
+            f"{args.command_prog}: closure failed, nothing exported: {reason}; "
+            f"kept: {_kept(config.out)}",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     except Stopped as stop:
         print(
-            f"{args.command_prog}: stopped by {stop}; every syncer stopped, nothing exported",
+            f"{args.command_prog}: stopped by {stop}; every syncer stopped, nothing exported; "
+            f"kept: {_kept(config.out)}",
             file=sys.stderr,
         )
         return 128 + stop.signum

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import queue
-import shlex
 import signal
 import subprocess
 import sys
@@ -54,6 +53,7 @@ from .command_options import (
     out_of_range,
 )
 from .demo_shapes import byte_model_shapes
+from .kept_checkpoint import checkpoint_use
 from .model_layout import build_layout, most_fragments
 from .process_control import (
     POLL_S,
@@ -492,20 +492,11 @@ def _syncer_kept(paths: Paths) -> str:
 
 
 def _checkpoint_use(paths: Paths) -> str:
-    """What a kept checkpoint is good for, as commands to copy: ``yeto launch`` cannot resume
-    a run (its learners would need the run's id, flags and a resumed syncer)."""
-    if not paths.checkpoint.exists():
-        return ""
-    # Quoted for a shell, so a folder with a space in its name still copies and runs.
-    checkpoint, layout = shlex.quote(str(paths.checkpoint)), shlex.quote(str(paths.layout))
-    use = f"`yeto checkpoint inspect {checkpoint}`"
-    if paths.layout.exists():
-        export = shlex.quote(str(paths.out / "model.safetensors"))
-        use += (
-            f", export its parameters with `yeto checkpoint export {checkpoint} "
-            f"--layout {layout} --out {export}`"
-        )
-    return f" (yeto launch cannot resume it; read it with {use})"
+    """What a kept checkpoint is good for: ``yeto launch`` cannot resume a run (its learners
+    would need the run's id, flags and a resumed syncer)."""
+    return checkpoint_use(
+        paths.checkpoint, paths.layout, paths.out / "model.safetensors", "yeto launch"
+    )
 
 
 def _undo_start(paths: Paths) -> str:
