@@ -583,6 +583,42 @@ def test_export_into_a_missing_directory_is_ckpt_io(
     assert code == 2 and "CKPT_IO" in err and str(out) in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "model.pt"])
+def test_an_export_onto_a_directory_is_refused_before_anything_is_written(
+    capsys: pytest.CaptureFixture[str],
+    files: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+) -> None:
+    """It was found only when the rename failed, after the whole export was written and
+    synced, and exited 1 as a full disk does: it is bad input, known up front."""
+    out = tmp_path / name
+    out.mkdir()
+    monkeypatch.setattr(checkpoint_cli, "atomic_replace", None)  # never reached
+    code, _, err = run(
+        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
+    )
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"CKPT_IO: write: is a directory (file {out})" in err, err
+    assert out.is_dir() and not any(out.iterdir())
+
+
+def test_a_torch_export_may_end_in_pth(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "model.pth"
+    code, _, err = run(
+        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
+    )
+    assert code == 0 and out.is_file(), err
+    bad = tmp_path / "model.bin"
+    code, _, err = run(
+        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", bad
+    )
+    assert code == 2 and "must end in .safetensors, .pt or .pth, not 'model.bin'" in err, err
+
+
 def test_a_stop_that_torchs_writer_turns_into_its_own_error_is_reported_as_the_stop(
     capsys: pytest.CaptureFixture[str],
     files: dict[str, Path],

@@ -466,6 +466,17 @@ def test_an_output_folder_in_a_missing_folder_is_refused(
     assert no_run == [out.resolve()]
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc")
+def test_an_output_folder_refused_by_an_existing_parent_does_not_call_it_missing(
+    capsys: pytest.CaptureFixture[str], no_run: list[Path]
+) -> None:
+    """/proc/self exists; mkdir in it fails with ENOENT all the same."""
+    assert cli.main(["launch", "--out", "/proc/self/run"]) == 2
+    err = capsys.readouterr().err
+    _one_error_line(err, "--out", "/proc/self/run")
+    assert "does not exist" not in err and "No such file or directory" in err, err
+
+
 @pytest.mark.parametrize("below", [False, True], ids=["the-file", "below-the-file"])
 def test_an_output_folder_that_cannot_be_made_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], no_run: list[Path], below: bool

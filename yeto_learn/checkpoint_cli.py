@@ -83,7 +83,7 @@ def register(commands: Commands) -> None:
 
     export = actions.add_parser(
         "export",
-        help="write the parameters as named tensors (.safetensors or .pt)",
+        help="write the parameters as named tensors (.safetensors, or .pt/.pth)",
         description="Map flat fragments back to named, shaped tensors. V3 proves the layout by "
         "its fingerprint; V1/V2 need the historical layout, and for grouped layouts the audited "
         "--legacy-fingerprint (V1 always also --iso-backend). Nothing is guessed.",
@@ -94,7 +94,7 @@ def register(commands: Commands) -> None:
         "--out",
         type=_out_path,
         required=True,
-        help="output file: *.safetensors, or *.pt for a torch state_dict",
+        help="output file: *.safetensors, or *.pt or *.pth for a torch state_dict",
     )
     export.add_argument(
         "--legacy-fingerprint",
@@ -123,7 +123,9 @@ def _fingerprint_arg(text: str) -> bytes:
 def _out_path(text: str) -> Path:
     path = Path(text)
     if path.suffix.lower() not in SAFETENSORS_SUFFIXES | TORCH_SUFFIXES:
-        raise argparse.ArgumentTypeError(f"must end in .safetensors or .pt, not {path.name!r}")
+        raise argparse.ArgumentTypeError(
+            f"must end in .safetensors, .pt or .pth, not {path.name!r}"
+        )
     return path
 
 
@@ -295,6 +297,8 @@ def _export(args: argparse.Namespace, out: Path, check: Callable[[], None]) -> i
         ) from None
     if not out.parent.is_dir():
         raise CheckpointError(ErrorCode.CKPT_IO, f"no such directory (file {out})", section="write")
+    if out.is_dir():  # known before anything is written: bad input, as a missing folder is
+        raise CheckpointError(ErrorCode.CKPT_IO, f"is a directory (file {out})", section="write")
     for name, given in (("checkpoint", args.path), ("layout", args.layout)):
         if _replaces(out, Path(given)):
             # Replaced by the export, the input would be gone for good.

@@ -97,7 +97,9 @@ def make_output_dir(out: Path | None, prefix: str) -> Path:
         return out
     except FileExistsError:
         pass
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
+        if out.parent.exists():  # /proc/self/x: the parent is there and takes no folder
+            raise OutputDirError(f"--out {out}: {_reason(exc)}") from None
         raise OutputDirError(
             f"--out {out}: {out.parent} does not exist (only the last part of --out is made)"
         ) from None
