@@ -7,6 +7,7 @@ the worker processes: nothing here mocks the pool.
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import multiprocessing.process
 import os
@@ -32,12 +33,14 @@ from yeto_sync.iso import (
     FaultMode,
     FaultPlan,
     IsoPoolClosed,
+    IsoPoolError,
     IsoPoolPoisoned,
     IsoPoolSettings,
     IsoPoolStartupError,
     IsoSolveError,
     IsoWorkerPool,
 )
+from yeto_sync.iso import pool as pool_module
 from yeto_sync.merge import (
     SCALAR_ISO_SOLVER,
     IsoSolver,
@@ -254,6 +257,30 @@ def test_jobs_own_their_buffers(pool: IsoWorkerPool) -> None:
     assert got.flags.owndata and got.flags.writeable
     assert job.result() is got and not np.shares_memory(got, matrix)
     np.testing.assert_array_equal(np.isnan(matrix), True)  # and the input was never written
+
+
+@pytest.mark.parametrize("errno_value", [errno.ENOSPC, errno.EROFS])
+def test_a_shared_memory_shortage_refuses_the_job_and_the_pool_goes_on(
+    pool: IsoWorkerPool, monkeypatch: pytest.MonkeyPatch, errno_value: int
+) -> None:
+    """A full /dev/shm (a container's 64 MiB) was a SIGBUS at the first touch of the staged
+    block, which killed the daemon without a word; a read-only one an "internal error"."""
+    blocks_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+    def no_room(descriptor: int, offset: int, length: int) -> None:
+        raise OSError(errno_value, os.strerror(errno_value))
+
+    monkeypatch.setattr(pool_module.os, "posix_fallocate", no_room)
+    with pytest.raises(IsoPoolError, match=os.strerror(errno_value)) as caught:
+        pool.submit(np.ones(64 * 64, np.float32), 64, 64)
+    assert isinstance(caught.value, MergeError)  # a refused commit, not an internal error
+    assert "cannot stage a 64x64 iso matrix in shared memory (/dev/shm)" in str(caught.value)
+    if blocks_before or os.path.isdir("/dev/shm"):
+        assert set(os.listdir("/dev/shm")) <= blocks_before  # the block was removed again
+    monkeypatch.undo()
+    matrix = np.random.default_rng(3).standard_normal(16).astype(np.float32)
+    got = pool.polar_flatten(matrix, 4, 4)
+    assert relative_gap(got, SCALAR_ISO_SOLVER.polar_flatten(matrix, 4, 4)) <= 1e-5
 
 
 def test_bad_requests_are_value_errors(pool: IsoWorkerPool) -> None:

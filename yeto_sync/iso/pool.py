@@ -275,6 +275,12 @@ class IsoJob:
         flat = matrix.reshape(-1)
         block = SharedMemory(create=True, size=max(flat.nbytes, 1))
         self._block = block
+        descriptor = getattr(block, "_fd", -1)
+        if descriptor >= 0:
+            # A shared block's pages are only taken when first touched: on a full /dev/shm
+            # (a container's 64 MiB) that touch is a SIGBUS that kills the daemon without a
+            # word. Reserved now, the shortage is an OSError the commit can refuse.
+            os.posix_fallocate(descriptor, 0, block.size)
         self._dtype = flat.dtype.name
         staged: np.ndarray = np.ndarray(flat.shape, dtype=flat.dtype, buffer=block.buf)
         np.copyto(staged, flat)
@@ -410,6 +416,15 @@ class IsoWorkerPool:
                 self._release(job)
                 return job
             job._fill(matrix)
+        except OSError as exc:  # /dev/shm full, too small or read-only: the commit fails
+            error = IsoPoolError(
+                f"cannot stage a {rows}x{cols} iso matrix in shared memory (/dev/shm): "
+                f"{exc.strerror or exc}; give /dev/shm more room (docker run --shm-size) or use "
+                "--iso-backend scalar"
+            )
+            job._settle(None, error)
+            self._release(job)
+            raise error from None
         except BaseException:
             job._settle(None, IsoPoolError("admission failed"))
             self._release(job)
