@@ -366,3 +366,36 @@ def test_an_idle_worker_killed_from_outside_blocks_the_next_checkpoint(tmp_path:
     assert f"(pid {pid}) exited with code -9" in reason
     assert "at global_step 1" in reason
     assert read_checkpoint(checkpoint).global_step == 1
+
+
+def test_sigterm_during_an_in_process_solve_stops_within_seconds(tmp_path: Path) -> None:
+    """With --iso-backend scalar the SVD runs in the daemon and nothing interrupts it: a stop
+    waited for the whole solve (71 s for 2048 x 2048 on a busy host). Now the solve is left to
+    its thread, its commit dropped like any in flight, and the process exits without it."""
+    side = 2048
+    layout = WireLayout((WireFragment(MergeMode.ISO, (side * side,), ((side, side),)),))
+    spec = SessionSpec(WireDtype.F32, layout, bytes(range(32)), bytes(range(64, 96)))
+    checkpoint = tmp_path / "ckpt"
+    initial = [np.random.default_rng(5).standard_normal(side * side).astype(np.float32)]
+    with Daemon(*flags(checkpoint, "--iso-backend=scalar")) as daemon:
+        learners = [
+            ScriptedLearner(
+                LearnerGroup(daemon.address, spec, learner_id=i, generation=1, num_streams=0),
+                initial=initial if i == 0 else None,
+                steps_per_round=3,
+                tokens_per_step=400,
+            )
+            for i in range(LEARNERS)
+        ]
+        threads, _ = play(learners)
+        wait_until(lambda: all(lr.pushes for lr in learners), 60, "round 1's pushes")
+        time.sleep(1.0)  # round 1's commit is now inside the SVD
+        daemon.signal(signal.SIGTERM)
+        began = time.monotonic()
+        code = daemon.wait(120)
+        took = time.monotonic() - began
+        join(threads)
+    assert code == 128 + signal.SIGTERM, daemon.stderr
+    assert 'msg="stopping: an iso SVD in progress is abandoned"' in daemon.stderr, daemon.stderr
+    assert last_line(daemon) == "yeto-sync: stopped by SIGTERM; no checkpoint was written"
+    assert took < 5, f"stopping took {took:.1f} s"

@@ -9,6 +9,9 @@ module imports nothing else for that reason.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import threading
 from collections.abc import Sequence
 
@@ -25,5 +28,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         early = StopSignals("yeto-sync").install()  # records; the daemon makes it raise
     from .daemon import main as run_daemon
+    from .driver import WORK_ABANDONED
 
-    return run_daemon(argv, early)
+    code = run_daemon(argv, early)
+    if WORK_ABANDONED.is_set():
+        # A stop left an in-process SVD running on a worker thread, which a normal exit would
+        # join (minutes): everything kept is on disk and the last line is written, so go now.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                if stream is not None:
+                    stream.flush()
+        os._exit(code)
+    return code

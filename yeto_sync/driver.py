@@ -227,6 +227,11 @@ class CheckpointKind(enum.Enum):
     RECOVERY = "recovery checkpoint (unmarked: not a final cut)"
 
 
+#: Set when a stop left the coordinator's thread running (an in-process SVD): the process
+#: must then exit without joining it (see :func:`yeto_sync.cli.main`).
+WORK_ABANDONED = threading.Event()
+
+
 def _may_commit(event: Event) -> bool:
     """Whether the coordinator may commit a round while handling ``event``: rounds complete
     only on a PUSH or a timer (spec/syncer.md § 5-8), and only a completion commits."""
@@ -338,9 +343,24 @@ class Driver:
         # wait minutes for an SVD, and the signal handler must still run meanwhile. Only an
         # event that may commit goes: the thread hop costs ~100 us, and a learner flooding
         # HEARTBEATs kept the loop busy with hops that could never commit anything.
-        if self._streams_now(event) or (self.iso_pool is not None and _may_commit(event)):
-            # Not abandoned on cancellation: a stop waits for the event to be fully handled.
-            actions = await anyio.to_thread.run_sync(self.coordinator.handle, event, now)
+        may_commit = _may_commit(event)
+        # An in-process SVD cannot be interrupted: a stop leaves it to finish on its thread
+        # (its commit is dropped, as any in flight) rather than wait minutes for it.
+        abandonable = may_commit and bool(
+            getattr(self.coordinator, "solves_iso_in_process", False)  # test doubles lack it
+        )
+        if self._streams_now(event) or (may_commit and self.iso_pool is not None) or abandonable:
+            # Otherwise not abandoned on cancellation: a stop waits for the event to be
+            # handled (the pool's close fails the solve it waits for).
+            try:
+                actions = await anyio.to_thread.run_sync(
+                    self.coordinator.handle, event, now, abandon_on_cancel=abandonable
+                )
+            except anyio.get_cancelled_exc_class():
+                if abandonable:
+                    WORK_ABANDONED.set()
+                    self._log("warning", "stopping: an iso SVD in progress is abandoned", {})
+                raise
             if self._stop_request is not None:
                 # Stopped while it ran (a stop fails the iso solve it waited for): what it
                 # decided is dropped like everything else in flight; the last checkpoint stays.

@@ -24,7 +24,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from yeto_proto.checkpoint import Checkpoint, refusal_for_every_hello, refusal_for_session
-from yeto_proto.constants import IsoBackend, WireDtype
+from yeto_proto.constants import IsoBackend, MergeMode, WireDtype
 from yeto_proto.errors import ErrorCode, ProtocolError
 from yeto_proto.limits import Limits
 from yeto_proto.messages import (
@@ -231,6 +231,14 @@ class Coordinator:
     @property
     def global_step(self) -> int:
         return 0 if self._model is None else self._model.global_step
+
+    @property
+    def solves_iso_in_process(self) -> bool:
+        """Whether a commit may run an SVD on the calling thread (an iso fragment with the
+        scalar backend): minutes for a large matrix, which no signal can interrupt."""
+        if self._model is None or self._solver.backend is not IsoBackend.SCALAR:
+            return False
+        return any(s.geometry.merge_mode is MergeMode.ISO for s in self._model.fragments)
 
     @property
     def rounds_in_flight(self) -> tuple[Round, ...]:
