@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,6 +231,46 @@ def test_bf16_parameters_hold_the_final_state_cast_to_bf16(tmp_path: Path) -> No
                 assert param.dtype == torch.bfloat16
                 assert torch.equal(param.detach().reshape(-1), expected.to(torch.bfloat16))
                 at += tensor.numel
+
+
+@contextlib.contextmanager
+def torch_default(kind: str) -> Iterator[None]:
+    """A process-wide torch default as training scripts set it, restored afterwards."""
+    if kind == "dtype":
+        torch.set_default_dtype(torch.float64)
+    else:  # "meta" stands in for "cuda", which a CPU-only host cannot show
+        torch.set_default_device("meta")
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(torch.float32)
+        torch.set_default_device(None)
+
+
+@pytest.mark.parametrize("kind", ["dtype", "device"])
+def test_torch_defaults_do_not_change_the_values_the_learner_sends(
+    tmp_path: Path, kind: str
+) -> None:
+    """Under set_default_dtype(float64) learner 0's INIT went out as f64 and was refused as
+    BAD_TENSOR_LENGTH; under set_default_device(...) no buffer could be read as numpy. The
+    wire buffers are f32 on the CPU whatever the defaults."""
+    model = regression_model()
+    with running_syncer(
+        tmp_path / "syncer", learners=1, total_steps=4, extra=["--sync-interval-steps", "2"]
+    ) as syncer:
+        with torch_default(kind):
+            learner = Learner(model, syncer=syncer.address, learner_id=0, num_learners=1,
+                              fragments=3, streams=0, connect_timeout=30)  # fmt: skip
+            try:
+                while not learner.final_ready:  # the pulls make it PUSH from its scratch buffers
+                    learner.step(tokens=1)
+                    time.sleep(0.001)
+                learner.finish(timeout=60)
+            finally:
+                learner.close()
+        assert syncer.wait() == 0, syncer.log_tail()
+    assert learner.stats.pushes >= 1
+    assert_holds_checkpoint(model, learner.layout, read_checkpoint(syncer.checkpoint))
 
 
 # -- never blocking, and reconnecting -------------------------------------------------------------

@@ -214,7 +214,9 @@ class TorchDistributedLink:
         items = torch.zeros((count, 2), dtype=torch.int64, device=self.device)
         if self.is_leader and plan is not None and count:
             items[:] = torch.tensor(
-                [[int(a.kind), a.fragment_id] for a in plan.applies], dtype=torch.int64
+                [[int(a.kind), a.fragment_id] for a in plan.applies],
+                dtype=torch.int64,
+                device=self.device,
             )
         if count:
             self._broadcast(items)

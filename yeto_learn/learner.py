@@ -154,7 +154,7 @@ class _FragmentParams:
         self._members: list[list[tuple[torch.nn.Parameter, int, int]]] = []
         for placed in layout.offsets():
             self._members.append([(params[t.name], at, t.numel) for t, at in placed])
-        self._scratch = [torch.empty(n, dtype=torch.float32) for n in self.numels]
+        self._scratch = [_wire_buffer(n) for n in self.numels]
 
     def check_still_in(self, model: torch.nn.Module) -> None:
         """Refuse to go on once ``model`` no longer holds the parameter objects the layout
@@ -176,7 +176,7 @@ class _FragmentParams:
 
     def read_copy(self, fragment_id: int) -> NDArray[np.float32]:
         """Fragment values in a fresh array (INIT keeps a view of it until it is sent)."""
-        return self._gather(fragment_id, torch.empty(self.numels[fragment_id]))
+        return self._gather(fragment_id, _wire_buffer(self.numels[fragment_id]))
 
     def _gather(self, fragment_id: int, out: torch.Tensor) -> NDArray[np.float32]:
         with torch.no_grad():
@@ -198,6 +198,12 @@ class _FragmentParams:
                     param.mul_(alpha).add_(theta, alpha=1.0 - alpha)
                 else:  # blend in f32, then round once to the parameter's dtype
                     param.copy_(param.float().mul_(alpha).add_(theta, alpha=1.0 - alpha))
+
+
+def _wire_buffer(numel: int) -> torch.Tensor:
+    """Room for ``numel`` wire values, read as numpy: f32 on the CPU whatever torch's default
+    dtype and device are (``set_default_dtype``/``set_default_device`` would change both)."""
+    return torch.empty(numel, dtype=torch.float32, device="cpu")
 
 
 def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
