@@ -3,8 +3,8 @@ can tell, never silently lost training.
 
 Each case here once failed silently or with an unrelated message: a parameter replaced after
 the Learner was built, an interrupt while a broadcast was being blended, finish() called before
-the final cut, a retry after a syncer that was not up yet, a key given as text, a sharded or
-empty parameter, a merge that needs more fragments, rank 0 failing under torchrun.
+the final cut, a retry after a syncer that was not up yet, a key given as text, a sharded,
+complex or empty parameter, a merge that needs more fragments, rank 0 failing under torchrun.
 """
 
 from __future__ import annotations
@@ -420,6 +420,16 @@ def test_a_meta_model_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="'weight' is on the meta device"):
         Learner(model, syncer=f"127.0.0.1:{free_port()}", learner_id=0, num_learners=1,
                 connect_timeout=0.5)  # fmt: skip
+
+
+def test_a_complex_parameter_is_refused_by_name() -> None:
+    # It was synced as its real part: the first broadcast zeroed the imaginary part in the model.
+    model = small_model()
+    model.register_parameter("phase", torch.nn.Parameter(torch.randn(8, dtype=torch.cfloat)))
+    with pytest.raises(ValueError, match="'phase' is torch.complex64: only real floating-point"):
+        Learner(model, syncer=f"127.0.0.1:{free_port()}", learner_id=0, num_learners=1,
+                connect_timeout=0.5)  # fmt: skip
+    assert model.phase.imag.any()
 
 
 def test_empty_parameters_are_not_synced_and_the_default_fragments_fit(tmp_path: Path) -> None:

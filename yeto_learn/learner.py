@@ -227,9 +227,11 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 def synced_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The trainable parameters a learner syncs: all but empty ones (nothing to sync).
 
-    Refuses what it cannot sync, naming the parameter: meta tensors (no values yet) and
+    Refuses what it cannot sync, naming the parameter: meta tensors (no values yet),
     DTensors (FSDP2, tensor parallel: each rank holds a shard, while the ranks of a learner
-    must hold full replicas, as under DDP).
+    must hold full replicas, as under DDP) and any dtype that is not real floating point (the
+    wire carries real values: a complex parameter's imaginary part would be dropped, and the
+    first broadcast would zero it in the model).
     """
     params: dict[str, torch.nn.Parameter] = {}
     for name, param in trainable_parameters(model).items():
@@ -243,6 +245,12 @@ def synced_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
                 f"parameter {name!r} is a DTensor (FSDP2 or tensor parallel): the ranks of a "
                 "learner must hold full replicas (plain or DDP); sharded models are not "
                 "supported"
+            )
+        if not param.is_floating_point():
+            raise ValueError(
+                f"parameter {name!r} is {param.dtype}: only real floating-point parameters can "
+                "be synced; hold a complex one as a real Parameter (torch.view_as_real) and "
+                "view it as complex (torch.view_as_complex) in forward"
             )
         if param.numel():
             params[name] = param
