@@ -111,6 +111,26 @@ def test_a_replaced_parameter_is_refused_at_the_next_check(tmp_path: Path) -> No
             learner.finish(timeout=5)
 
 
+def test_a_replaced_parameter_stops_the_learner_before_its_next_push(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Checked only every 32 steps, it let PUSHes read from the dead tensors reach the syncer
+    # (which merged them) meanwhile.
+    monkeypatch.setattr(learner_module, "_OWNERSHIP_CHECK_STEPS", 1 << 30)  # step 0's only
+    extra = ["--sync-interval-steps", "1"]
+    with one_learner(tmp_path, 1000, extra) as (syncer, model, learner):
+        deadline = time.monotonic() + 30
+        while learner.stats.pushes == 0:
+            assert time.monotonic() < deadline, "no pull was answered"
+            train_steps(learner, model, 1)
+        pushed = learner.stats.pushes
+        model[0].weight = torch.nn.Parameter(model[0].weight.detach().clone())
+        with pytest.raises(LearnerError, match="'0.weight' was replaced in the model"):
+            while time.monotonic() < deadline:  # until the next pull is to be answered
+                train_steps(learner, model, 1)
+        assert learner.stats.pushes == pushed
+
+
 def test_diverged_parameters_stop_the_learner_with_a_learner_error_saying_so(
     tmp_path: Path,
 ) -> None:

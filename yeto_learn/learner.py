@@ -114,7 +114,8 @@ _log = logging.getLogger("yeto_learn")
 DEFAULT_FRAGMENTS = 8
 
 #: Steps between checks that the model still holds the tracked parameter objects (the check
-#: walks every module, about 1 ms for 300 modules); finish() always checks.
+#: walks every module, about 1 ms for 300 modules); finish() always checks, and so does every
+#: turn that reads the parameters for an INIT or a PUSH (rare: once per fragment per round).
 _OWNERSHIP_CHECK_STEPS = 32
 
 RUN_ID_ENV = "YETO_RUN_ID"
@@ -877,6 +878,23 @@ class Learner:
         self._close_client()
         raise failure
 
+    def _owned(
+        self, read: Callable[[int], NDArray[np.float32]]
+    ) -> Callable[[int], NDArray[np.float32]]:
+        """``read``, checking once before its first read that the model still holds the
+        tracked parameters: no INIT or PUSH is ever built from a replaced (dead) one, as it
+        could be between two periodic checks."""
+        checked = False
+
+        def read_owned(fragment_id: int) -> NDArray[np.float32]:
+            nonlocal checked
+            if not checked:
+                self._params.check_still_in(self.model)
+                checked = True
+            return read(fragment_id)
+
+        return read_owned
+
     def _apply(self, item: Apply, values: torch.Tensor) -> None:
         self._params.apply(item, values, self.merge_alpha)
 
@@ -902,7 +920,7 @@ class Learner:
                     self._last_pull_at = max(self._last_pull_at, time.monotonic())
                     if self.learner_id == 0:
                         with _own_values_checked():
-                            inits = session.init_messages(self._params.read_copy)
+                            inits = session.init_messages(self._owned(self._params.read_copy))
                         for init in inits:
                             self._send(init)
                 case GroupLost():
@@ -994,7 +1012,7 @@ class Learner:
             if ack is not None:
                 self._send(ack)
         with _own_values_checked():
-            pushes = session.answer_pulls(self._params.read)
+            pushes = session.answer_pulls(self._owned(self._params.read))
         for push in pushes:
             self._send(push)
             self._pushes += 1
