@@ -4,7 +4,8 @@ can tell, never silently lost training.
 Each case here once failed silently or with an unrelated message: a parameter replaced after
 the Learner was built, an interrupt while a broadcast was being blended, finish() called before
 the final cut, a retry after a syncer that was not up yet, a key given as text, a sharded,
-complex or empty parameter, a merge that needs more fragments, rank 0 failing under torchrun.
+complex, empty or doubled (two objects, one memory) parameter, a merge that needs more
+fragments, rank 0 failing under torchrun.
 """
 
 from __future__ import annotations
@@ -450,6 +451,28 @@ def test_a_complex_parameter_is_refused_by_name() -> None:
         Learner(model, syncer=f"127.0.0.1:{free_port()}", learner_id=0, num_learners=1,
                 connect_timeout=0.5)  # fmt: skip
     assert model.phase.imag.any()
+
+
+def test_two_parameters_over_one_memory_are_refused_by_name() -> None:
+    # Both were synced, as two tensors: every broadcast landed in that memory twice, and the
+    # learner did not end on the syncer's final state.
+    model = small_model()
+    model.append(torch.nn.Linear(4, 8))
+    model[2].weight = torch.nn.Parameter(model[0].weight.detach())
+    with pytest.raises(ValueError, match="'0.weight' and '2.weight' are two Parameter objects"):
+        Learner(model, syncer=f"127.0.0.1:{free_port()}", learner_id=0, num_learners=1,
+                connect_timeout=0.5)  # fmt: skip
+
+
+def test_weights_tied_as_one_object_or_apart_in_one_storage_are_synced_once_each() -> None:
+    model = small_model()
+    model.append(torch.nn.Linear(8, 1))
+    model[2].weight = model[1].weight  # tied: named once, under its first name
+    flat = torch.zeros(16)  # disjoint views of one buffer (a fused layout) share no memory
+    model.register_parameter("low", torch.nn.Parameter(flat[:8]))
+    model.register_parameter("high", torch.nn.Parameter(flat[8:]))
+    names = list(learner_module.synced_parameters(model))
+    assert names == ["low", "high", "0.weight", "0.bias", "1.weight", "1.bias", "2.bias"]
 
 
 def test_empty_parameters_are_not_synced_and_the_default_fragments_fit(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import json
 import logging
 import math
@@ -230,9 +231,10 @@ def synced_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
     Refuses what it cannot sync, naming the parameter: meta tensors (no values yet),
     DTensors (FSDP2, tensor parallel: each rank holds a shard, while the ranks of a learner
-    must hold full replicas, as under DDP) and any dtype that is not real floating point (the
+    must hold full replicas, as under DDP), any dtype that is not real floating point (the
     wire carries real values: a complex parameter's imaginary part would be dropped, and the
-    first broadcast would zero it in the model).
+    first broadcast would zero it in the model), and two Parameter objects over the same
+    memory (each would be synced, and every broadcast applied to that memory twice).
     """
     params: dict[str, torch.nn.Parameter] = {}
     for name, param in trainable_parameters(model).items():
@@ -257,7 +259,39 @@ def synced_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
             params[name] = param
     if not params:
         raise ValueError("the model has no trainable parameter with values to sync")
+    if shared := _sharing_memory(params):
+        first, second = shared
+        raise ValueError(
+            f"parameters {first!r} and {second!r} are two Parameter objects over the same "
+            "memory (nn.Parameter(w.detach()), or .data = another's): both would be synced, "
+            "and each broadcast applied to that memory twice; tie them as one Parameter "
+            f"object (give {second!r} the very Parameter {first!r} holds, as tied weights are)"
+        )
     return params
+
+
+def _sharing_memory(params: Mapping[str, torch.Tensor]) -> tuple[str, str] | None:
+    """Two of ``params`` (non-empty), in model order, whose byte spans overlap in one storage.
+
+    Spans, not elements: views interleaved by their strides count as overlapping. Sorted by
+    start, a span that overlaps any later one overlaps the next one, so one pass over
+    neighbours finds every case.
+    """
+    spans: list[tuple[tuple[str, int], int, int, int]] = []  # storage, start, end, model order
+    for order, param in enumerate(params.values()):
+        size = param.element_size()
+        start = int(param.storage_offset()) * size
+        last = sum((n - 1) * stride for n, stride in zip(param.shape, param.stride(), strict=True))
+        storage = (str(param.device), param.untyped_storage().data_ptr())
+        spans.append((storage, start, start + (int(last) + 1) * size, order))
+    spans.sort()
+    for (storage, _, end, order), (next_storage, next_start, _, next_order) in itertools.pairwise(
+        spans
+    ):
+        if storage == next_storage and next_start < end:
+            names = list(params)
+            return names[min(order, next_order)], names[max(order, next_order)]
+    return None
 
 
 _E = TypeVar("_E", bound=enum.Enum)
