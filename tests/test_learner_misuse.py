@@ -132,6 +132,27 @@ def test_a_replaced_parameter_stops_the_learner_before_its_next_push(
         assert learner.stats.pushes == pushed
 
 
+def test_a_parameter_unfrozen_after_the_learner_was_built_is_reported_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A progressive unfreeze trained the layer on without ever syncing it, without a word.
+    with running_syncer(tmp_path / "syncer", learners=1, total_steps=1000) as syncer:
+        model = small_model()
+        model[0].weight.requires_grad_(False)
+        learner = Learner(model, syncer=syncer.address, learner_id=0, num_learners=1,
+                          fragments=2, streams=0, connect_timeout=30)  # fmt: skip
+        try:
+            model[0].weight.requires_grad_(True)
+            with caplog.at_level(logging.WARNING, logger="yeto_learn"):
+                train_steps(learner, model, 2 * learner_module._OWNERSHIP_CHECK_STEPS + 1)
+        finally:
+            learner.close()
+    (record,) = [r for r in caplog.records if "not synced" in r.getMessage()]
+    text = record.getMessage()
+    assert text.startswith("yeto learner 0: '0.weight' now requires grad but is not synced")
+    assert "fixed when the Learner is built" in text
+
+
 def test_diverged_parameters_stop_the_learner_with_a_learner_error_saying_so(
     tmp_path: Path,
 ) -> None:

@@ -157,10 +157,16 @@ class _FragmentParams:
         for placed in layout.offsets():
             self._members.append([(params[t.name], at, t.numel) for t, at in placed])
         self._scratch = [_wire_buffer(n) for n in self.numels]
+        #: Unsynced parameters already reported as trainable (each is reported once).
+        self._reported_unsynced: set[str] = set()
 
-    def check_still_in(self, model: torch.nn.Module) -> None:
+    def check_still_in(self, model: torch.nn.Module) -> list[str]:
         """Refuse to go on once ``model`` no longer holds the parameter objects the layout
-        was built from: blends, pushes and the final state would all go to dead tensors."""
+        was built from: blends, pushes and the final state would all go to dead tensors.
+
+        Returns the parameters outside the layout that now require grad (unfrozen, or added,
+        after the Learner was built), each once: they train, but are never synced.
+        """
         current = {normalize_name(n): p for n, p in model.named_parameters()}
         for name, param in self._tracked.items():
             if current.get(name) is not param:
@@ -171,6 +177,16 @@ class _FragmentParams:
                     "updates would never reach the syncer. Load weights in place (copy_, or "
                     "load_state_dict without assign), or build the Learner afterwards."
                 )
+        unsynced = [
+            name
+            for name, param in current.items()
+            if param.requires_grad
+            and param.numel()  # an empty one has nothing to sync
+            and name not in self._tracked
+            and name not in self._reported_unsynced
+        ]
+        self._reported_unsynced.update(unsynced)
+        return unsynced
 
     def read(self, fragment_id: int) -> NDArray[np.float32]:
         """Fragment values in a reusable buffer (valid until the next read of the fragment)."""
@@ -593,7 +609,7 @@ class Learner:
         with self._one_caller():
             self._usable()
             if self._local_step % _OWNERSHIP_CHECK_STEPS == 0:  # a module walk: not every step
-                self._params.check_still_in(self.model)
+                self._check_model()
             if self.budget_reached:
                 raise LearnerError(
                     f"the budget of {self.budget_steps} local steps is reached: call finish()"
@@ -696,7 +712,7 @@ class Learner:
         """
         with self._one_caller():
             self._usable()
-            self._params.check_still_in(self.model)
+            self._check_model()
             if self.budget_reached and not self.budget_reported:
                 self.report_budget()
             limit = self.finish_timeout if timeout is None else timeout
@@ -912,6 +928,22 @@ class Learner:
         self._close_client()
         raise failure
 
+    def _check_model(self) -> None:
+        """Refuse a model whose synced parameters were replaced; say once of each parameter
+        that became trainable outside the layout (a progressive unfreeze): it would silently
+        train on without ever being synced."""
+        unsynced = self._params.check_still_in(self.model)
+        if unsynced and self.is_leader:  # every rank holds the same model: rank 0 says it
+            _log.warning(
+                "yeto learner %d: %s now require%s grad but %s not synced: the synced "
+                "parameters are fixed when the Learner is built; build it after unfreezing "
+                "(or keep the parameters trainable from the start) to sync them",
+                self.learner_id,
+                ", ".join(repr(name) for name in unsynced),
+                "s" if len(unsynced) == 1 else "",
+                "is" if len(unsynced) == 1 else "are",
+            )
+
     def _owned(
         self, read: Callable[[int], NDArray[np.float32]]
     ) -> Callable[[int], NDArray[np.float32]]:
@@ -923,7 +955,7 @@ class Learner:
         def read_owned(fragment_id: int) -> NDArray[np.float32]:
             nonlocal checked
             if not checked:
-                self._params.check_still_in(self.model)
+                self._check_model()
                 checked = True
             return read(fragment_id)
 
