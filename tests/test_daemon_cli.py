@@ -276,10 +276,13 @@ def test_doubtful_settings_start_with_a_warning_each(tmp_path: Path) -> None:
     with Daemon(*flags, f"--checkpoint-path={checkpoint}", "--resume") as daemon:
         wait_until(lambda: "listening" in daemon.stderr, 10, "the listening log line")
         warnings = [line for line in daemon.stderr.splitlines() if "warning" in line]
-    assert len(warnings) == 3, warnings
+    assert len(warnings) == 4, warnings
     assert "--outer-momentum 1.5 is outside [0, 1)" in warnings[0]
     assert "at global_step 5, at or past --total-steps 4" in warnings[1]
     assert "the run of this checkpoint had finished" in warnings[2]
+    assert "a learner that already got its SHUTDOWN does not come back" in warnings[2]
+    # The checkpoint's ledger has ids 0 and 3: 3 is no learner of a --learners 1 session.
+    assert "ledger counts learner ids 3, outside 0..0 (--learners 1)" in warnings[3]
 
 
 def test_a_stop_swallowed_before_the_signal_receiver_opened_is_still_met() -> None:
@@ -312,7 +315,7 @@ def test_a_marker_of_another_step_is_not_taken_for_a_finished_run(tmp_path: Path
     checkpoint = tmp_path / "ckpt"
     write_checkpoint(checkpoint, make_checkpoint(global_step=5))
     write_final_marker(checkpoint, 3)  # an older run's, beside a later periodic checkpoint
-    flags = ["--learners=1", "--total-steps=9", f"--checkpoint-path={checkpoint}", "--resume"]
+    flags = ["--learners=4", "--total-steps=9", f"--checkpoint-path={checkpoint}", "--resume"]
     with Daemon(*flags) as daemon:
         wait_until(lambda: "listening" in daemon.stderr, 10, "the listening log line")
         warnings = [line for line in daemon.stderr.splitlines() if "warning" in line]

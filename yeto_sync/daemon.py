@@ -413,7 +413,16 @@ def log_doubts(config: SyncerConfig, checkpoint: Checkpoint | None) -> None:
         if marker.status is MarkerStatus.FINAL:
             doubts.append(
                 f"{marker_path(config.checkpoint_path)} exists: the run of this checkpoint "
-                "had finished"
+                "had finished; the session waits for all --learners again, and a learner that "
+                "already got its SHUTDOWN does not come back"
+            )
+        outside = [e.learner_id for e in checkpoint.ledger if e.learner_id >= config.learners]
+        if outside:
+            shown = ", ".join(map(str, outside[:8])) + (" …" if len(outside) > 8 else "")
+            doubts.append(
+                f"the checkpoint's ledger counts learner ids {shown}, outside "
+                f"0..{config.learners - 1} (--learners {config.learners}): their entries are kept "
+                "in every later checkpoint, and no such learner can join"
             )
         elif marker.status is not MarkerStatus.ABSENT:  # goes at the first checkpoint write
             doubts.append(
