@@ -209,6 +209,9 @@ def test_bench_command_prints_budget_c_f_tape_and_export(
     final = read_checkpoint(out / CHECKPOINT_FILE).global_step
     assert "budget B=30" in last and f"C={final - 2}" in last and "F=2" in last
     assert "tape check ok" in last and str(out / EXPORT_FILE) in last
+    # The learners' "lost the syncer … redialing" warnings at the restart look like errors.
+    cutoff_line = next(line for line in printed.splitlines() if line.startswith("cutoff"))
+    assert "redialing' lines are this restart" in cutoff_line, cutoff_line
 
 
 def test_a_learner_that_misses_the_restart_fails_the_closure(tmp_path: Path) -> None:

@@ -1267,7 +1267,7 @@ class Oracle:
         self.maybe_finalize()
 
     def commit(self, done: ORound) -> bool:
-        """§ 8: merge, step, install, checkpoint, BCAST, tape; False when the commit fails."""
+        """§ 8: merge, step, install, tape, checkpoint, BCAST; False when the commit fails."""
         p = done.fragment
         params, momentum = self.params[p], self.momentum[p]
         assert params is not None and momentum is not None

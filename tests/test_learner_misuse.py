@@ -492,8 +492,35 @@ def test_weights_tied_as_one_object_or_apart_in_one_storage_are_synced_once_each
     flat = torch.zeros(16)  # disjoint views of one buffer (a fused layout) share no memory
     model.register_parameter("low", torch.nn.Parameter(flat[:8]))
     model.register_parameter("high", torch.nn.Parameter(flat[8:]))
+    # Interleaved but disjoint: their byte ranges overlap, their elements do not.
+    grid = torch.zeros(4, 6)
+    model.register_parameter("left", torch.nn.Parameter(grid[:, :3]))
+    model.register_parameter("right", torch.nn.Parameter(grid[:, 3:]))
+    strip = torch.zeros(10)
+    model.register_parameter("even", torch.nn.Parameter(strip[0::2]))
+    model.register_parameter("odd", torch.nn.Parameter(strip[1::2]))
     names = list(learner_module.synced_parameters(model))
-    assert names == ["low", "high", "0.weight", "0.bias", "1.weight", "1.bias", "2.bias"]
+    assert names == [
+        "low", "high", "left", "right", "even", "odd",
+        "0.weight", "0.bias", "1.weight", "1.bias", "2.bias",
+    ]  # fmt: skip
+
+
+def test_dense_parameters_with_overlapping_memory_are_refused() -> None:
+    model = small_model()
+    flat = torch.zeros(16)
+    model.register_parameter("head", torch.nn.Parameter(flat[:10]))
+    model.register_parameter("tail", torch.nn.Parameter(flat[6:].view(2, 5)))
+    with pytest.raises(ValueError, match="'head' and 'tail' are two Parameter objects"):
+        learner_module.synced_parameters(model)
+    # channels_last is dense too: its range is exact.
+    model = small_model()
+    image = torch.zeros(1, 2, 3, 3).to(memory_format=torch.channels_last)
+    model.register_parameter("image", torch.nn.Parameter(image))
+    pixels = image.permute(0, 2, 3, 1).reshape(-1)  # a view: permuted, it is contiguous
+    model.register_parameter("inside", torch.nn.Parameter(pixels[4:9]))
+    with pytest.raises(ValueError, match="'image' and 'inside' are two Parameter objects"):
+        learner_module.synced_parameters(model)
 
 
 def test_empty_parameters_are_not_synced_and_the_default_fragments_fit(tmp_path: Path) -> None:

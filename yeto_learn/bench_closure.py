@@ -540,7 +540,8 @@ def run_closure(
             raise ClosureFailed("the cutoff checkpoint carries a final marker")
         say(
             f"cutoff     : every learner reported B={config.budget}; unmarked recovery "
-            f"checkpoint at global step C={cutoff_step}"
+            f"checkpoint at global step C={cutoff_step}; restarting the syncer (the learners' "
+            "'lost the syncer … redialing' lines are this restart)"
         )
 
         # -- the consolidation process ---------------------------------------------------------

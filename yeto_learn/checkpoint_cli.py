@@ -297,7 +297,8 @@ def _export(args: argparse.Namespace, out: Path, check: Callable[[], None]) -> i
         ) from None
     if not out.parent.is_dir():
         raise CheckpointError(ErrorCode.CKPT_IO, f"no such directory (file {out})", section="write")
-    if out.is_dir():  # known before anything is written: bad input, as a missing folder is
+    if out.is_dir() and not out.is_symlink():  # bad input, known before anything is written
+        # (a link to a folder is replaced by the rename, as any link at --out)
         raise CheckpointError(ErrorCode.CKPT_IO, f"is a directory (file {out})", section="write")
     for name, given in (("checkpoint", args.path), ("layout", args.layout)):
         if _replaces(out, Path(given)):

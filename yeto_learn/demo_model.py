@@ -145,6 +145,13 @@ def emit(record: dict[str, Any]) -> None:
     os.write(sys.stdout.fileno(), (json.dumps(record) + "\n").encode())
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:  # NaN too: a learner past its cap would never stop
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, not {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m yeto_learn.demo_model",
@@ -166,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--stall-timeout",
-        type=float,
+        type=_positive_seconds,
         default=STALL_TIMEOUT_S,
         help="past --max-steps, stop once no round has advanced for this many seconds",
     )
@@ -315,7 +322,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, termination: _Termin
             # The cap guards against a syncer that stopped, not one that is slow: past it,
             # training goes on while rounds advance (a pause of a few seconds ends no run).
             stalled_s = rounds.stalled_for(learner.stats.global_step, time.monotonic())
-            if steps >= args.max_steps and stalled_s >= args.stall_timeout:
+            if steps >= args.max_steps and _rank_0_says(stalled_s >= args.stall_timeout, world):
                 capped = True
                 break
             x, y = sample_batch(corpus.train, args.batch_size, context, generator)
@@ -374,6 +381,18 @@ def _train(args: argparse.Namespace, rank: int, world: int, termination: _Termin
         }
     )
     return 0
+
+
+def _rank_0_says(decision: bool, world: int) -> bool:
+    """Rank 0's ``decision`` on every rank: each rank's own clock could stop one rank's
+    training while the others still run DDP's collectives (they take steps in lockstep)."""
+    if world == 1:
+        return decision
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(decision)], dtype=torch.int64)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
 
 
 class RoundWatch:

@@ -416,6 +416,11 @@ def log_doubts(config: SyncerConfig, checkpoint: Checkpoint | None) -> None:
                 "had finished; the session waits for all --learners again, and a learner that "
                 "already got its SHUTDOWN does not come back"
             )
+        elif marker.status is not MarkerStatus.ABSENT:  # goes at the first checkpoint write
+            doubts.append(
+                f"{marker_path(config.checkpoint_path)} does not mark this checkpoint as final "
+                f"({marker.detail}); it is removed when this run first writes its checkpoint"
+            )
         outside = [e.learner_id for e in checkpoint.ledger if e.learner_id >= config.learners]
         if outside:
             shown = ", ".join(map(str, outside[:8])) + (" …" if len(outside) > 8 else "")
@@ -423,11 +428,6 @@ def log_doubts(config: SyncerConfig, checkpoint: Checkpoint | None) -> None:
                 f"the checkpoint's ledger counts learner ids {shown}, outside "
                 f"0..{config.learners - 1} (--learners {config.learners}): their entries are kept "
                 "in every later checkpoint, and no such learner can join"
-            )
-        elif marker.status is not MarkerStatus.ABSENT:  # goes at the first checkpoint write
-            doubts.append(
-                f"{marker_path(config.checkpoint_path)} does not mark this checkpoint as final "
-                f"({marker.detail}); it is removed when this run first writes its checkpoint"
             )
     log = KeyValueLog(sys.stderr)
     for doubt in doubts:

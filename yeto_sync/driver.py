@@ -359,7 +359,12 @@ class Driver:
             except anyio.get_cancelled_exc_class():
                 if abandonable:
                     WORK_ABANDONED.set()
-                    self._log("warning", "stopping: an iso SVD in progress is abandoned", {})
+                    self._log(
+                        "warning",
+                        "stopping: the event in progress (a commit may be in an iso SVD) is "
+                        "left to its thread; its actions are dropped",
+                        {},
+                    )
                 raise
             if self._stop_request is not None:
                 # Stopped while it ran (a stop fails the iso solve it waited for): what it

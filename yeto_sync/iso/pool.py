@@ -276,7 +276,7 @@ class IsoJob:
         block = SharedMemory(create=True, size=max(flat.nbytes, 1))
         self._block = block
         descriptor = getattr(block, "_fd", -1)
-        if descriptor >= 0:
+        if descriptor >= 0 and hasattr(os, "posix_fallocate"):  # not on macOS
             # A shared block's pages are only taken when first touched: on a full /dev/shm
             # (a container's 64 MiB) that touch is a SIGBUS that kills the daemon without a
             # word. Reserved now, the shortage is an OSError the commit can refuse.
