@@ -11,6 +11,7 @@ fragments, rank 0 failing under torchrun.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import re
 import subprocess
@@ -112,11 +113,12 @@ def test_a_replaced_parameter_is_refused_at_the_next_check(tmp_path: Path) -> No
             learner.finish(timeout=5)
 
 
+@pytest.mark.parametrize("replaced", ["parameter", "module"])
 def test_a_replaced_parameter_stops_the_learner_before_its_next_push(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, replaced: str
 ) -> None:
     # Checked only every 32 steps, it let PUSHes read from the dead tensors reach the syncer
-    # (which merged them) meanwhile.
+    # (which merged them) meanwhile. A whole module swapped in holds new parameters too.
     monkeypatch.setattr(learner_module, "_OWNERSHIP_CHECK_STEPS", 1 << 30)  # step 0's only
     extra = ["--sync-interval-steps", "1"]
     with one_learner(tmp_path, 1000, extra) as (syncer, model, learner):
@@ -125,7 +127,10 @@ def test_a_replaced_parameter_stops_the_learner_before_its_next_push(
             assert time.monotonic() < deadline, "no pull was answered"
             train_steps(learner, model, 1)
         pushed = learner.stats.pushes
-        model[0].weight = torch.nn.Parameter(model[0].weight.detach().clone())
+        if replaced == "parameter":
+            model[0].weight = torch.nn.Parameter(model[0].weight.detach().clone())
+        else:
+            model[0] = copy.deepcopy(model[0])
         with pytest.raises(LearnerError, match="'0.weight' was replaced in the model"):
             while time.monotonic() < deadline:  # until the next pull is to be answered
                 train_steps(learner, model, 1)
@@ -504,6 +509,19 @@ def test_weights_tied_as_one_object_or_apart_in_one_storage_are_synced_once_each
         "low", "high", "left", "right", "even", "odd",
         "0.weight", "0.bias", "1.weight", "1.bias", "2.bias",
     ]  # fmt: skip
+
+
+def test_a_strided_view_into_a_dense_parameter_and_a_sparse_one_are_refused() -> None:
+    model = small_model()
+    grid = torch.zeros(4, 6)
+    model.register_parameter("grid", torch.nn.Parameter(grid))
+    model.register_parameter("column", torch.nn.Parameter(grid[:, 2]))
+    with pytest.raises(ValueError, match="'grid' and 'column' are two Parameter objects"):
+        learner_module.synced_parameters(model)
+    model = small_model()
+    model.register_parameter("sparse", torch.nn.Parameter(torch.zeros(3, 3).to_sparse()))
+    with pytest.raises(ValueError, match="'sparse' is a torch.sparse_coo tensor: only dense"):
+        learner_module.synced_parameters(model)
 
 
 def test_dense_parameters_with_overlapping_memory_are_refused() -> None:

@@ -146,7 +146,10 @@ def emit(record: dict[str, Any]) -> None:
 
 
 def _positive_seconds(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not 0 < value < math.inf:  # NaN too: a learner past its cap would never stop
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, not {text}")
     return value

@@ -34,6 +34,7 @@ collective: every rank calls them.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import enum
 import itertools
@@ -160,6 +161,8 @@ class _FragmentParams:
         self._tracked = dict(params)
         #: Where each tracked parameter is held: (module, attribute, parameter).
         self._holders: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+        #: Every (parent, name, child) link of the module tree.
+        self._links: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
         if model is not None:
             self.find_holders(model)
         self._members: list[list[tuple[torch.nn.Parameter, int, int]]] = []
@@ -198,20 +201,30 @@ class _FragmentParams:
         return unsynced
 
     def find_holders(self, model: torch.nn.Module) -> None:
+        """Record where each tracked parameter is held, and the module links that lead there."""
         tracked = {id(param) for param in self._tracked.values()}
+        modules = list(model.modules())
         self._holders = [
             (module, attribute, param)
-            for module in model.modules()
+            for module in modules
             for attribute, param in module._parameters.items()
             if param is not None and id(param) in tracked
         ]
+        self._links = [
+            (parent, name, child)
+            for parent in modules
+            for name, child in parent._modules.items()
+            if child is not None
+        ]
 
     def holders_unchanged(self) -> bool:
-        """Whether each module that held a tracked parameter still holds it: a dictionary
-        lookup per parameter, where :meth:`check_still_in` walks the whole module tree (13-15
-        ms for 1,600 modules). It catches ``load_state_dict(..., assign=True)`` and a new
-        ``nn.Parameter`` set on a module; a replaced module is left to the periodic walk."""
-        return all(module._parameters.get(name) is param for module, name, param in self._holders)
+        """Whether every module still holds its submodules and tracked parameters as recorded:
+        a dictionary lookup per module and parameter, where :meth:`check_still_in` walks the
+        whole tree (13-15 ms for 1,600 modules). It catches ``load_state_dict(...,
+        assign=True)``, a new ``nn.Parameter`` or a new submodule set in place of an old one."""
+        return all(
+            module._parameters.get(name) is param for module, name, param in self._holders
+        ) and all(parent._modules.get(name) is child for parent, name, child in self._links)
 
     def read(self, fragment_id: int) -> NDArray[np.float32]:
         """Fragment values in a reusable buffer (valid until the next read of the fragment)."""
@@ -290,6 +303,11 @@ def synced_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
                 "learner must hold full replicas (plain or DDP); sharded models are not "
                 "supported"
             )
+        if param.layout is not torch.strided:
+            raise ValueError(
+                f"parameter {name!r} is a {param.layout} tensor: only dense (strided) "
+                "parameters can be synced"
+            )
         if not param.is_floating_point():
             raise ValueError(
                 f"parameter {name!r} is {param.dtype}: only real floating-point parameters can "
@@ -312,30 +330,43 @@ def synced_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 def _sharing_memory(params: Mapping[str, torch.Tensor]) -> tuple[str, str] | None:
-    """Two of ``params`` (non-empty), in model order, that surely share memory: the same
-    view twice (``nn.Parameter(w.detach())``), or two dense ones whose byte ranges in one
-    storage overlap. Strided views whose ranges overlap may still be disjoint (the column
-    halves of one matrix): those are let through, as telling would take an element walk.
+    """Two of ``params`` (non-empty, strided), in model order, that surely share memory: the
+    same view twice (``nn.Parameter(w.detach())``), two dense ones whose byte ranges overlap,
+    or a strided view whose first or last element lies in a dense one. Strided views whose
+    ranges overlap may still be disjoint (the column halves of one matrix): those are let
+    through, as telling would take an element walk.
     """
     names = list(params)
     views: dict[tuple[Any, ...], int] = {}
-    dense: list[tuple[tuple[str, int], int, int, int]] = []  # storage, start, end, model order
+    dense: list[tuple[str, int, int, int]] = []  # device, first byte, end, model order
+    ends: list[tuple[str, int, int]] = []  # a strided view's first and last element
     for order, param in enumerate(params.values()):
-        storage = (str(param.device), param.untyped_storage().data_ptr())
-        start = int(param.storage_offset()) * param.element_size()
-        view = (storage, start, param.dtype, tuple(param.shape), tuple(param.stride()))
-        if (first := views.setdefault(view, order)) != order:
-            return names[first], names[order]
+        try:
+            first = int(param.data_ptr())  # absolute: two storages over one buffer compare
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+            continue
+        device, size = str(param.device), param.element_size()
+        view = (device, first, param.dtype, tuple(param.shape), tuple(param.stride()))
+        if (seen := views.setdefault(view, order)) != order:
+            return names[seen], names[order]
         reach = sum((n - 1) * stride for n, stride in zip(param.shape, param.stride(), strict=True))
         if int(reach) + 1 == param.numel():  # no gaps: contiguous, channels_last, transposed
-            dense.append((storage, start, start + param.numel() * param.element_size(), order))
+            dense.append((device, first, first + param.numel() * size, order))
+        else:
+            ends += [(device, first, order), (device, first + int(reach) * size, order)]
     # Sorted by start, a dense range that overlaps any later one overlaps the next one.
     dense.sort()
-    for (storage, _, end, order), (next_storage, next_start, _, next_order) in itertools.pairwise(
+    for (device, _, end, order), (next_device, next_start, _, next_order) in itertools.pairwise(
         dense
     ):
-        if storage == next_storage and next_start < end:
+        if device == next_device and next_start < end:
             return names[min(order, next_order)], names[max(order, next_order)]
+    # The dense ranges are disjoint now: at most one can hold a given byte.
+    for device, at, order in ends:
+        index = bisect.bisect_right(dense, (device, at, math.inf, math.inf)) - 1
+        if index >= 0 and dense[index][0] == device and at < dense[index][2]:
+            other = dense[index][3]
+            return names[min(order, other)], names[max(order, other)]
     return None
 
 
