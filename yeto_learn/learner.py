@@ -152,10 +152,7 @@ class _FragmentParams:
     """The trainable parameters seen as flat f32 fragments in layout order (torch views)."""
 
     def __init__(
-        self,
-        layout: Layout,
-        params: Mapping[str, torch.nn.Parameter],
-        model: torch.nn.Module | None = None,
+        self, layout: Layout, params: Mapping[str, torch.nn.Parameter], model: torch.nn.Module
     ) -> None:
         self.numels = layout.wire().numels
         self._tracked = dict(params)
@@ -163,8 +160,7 @@ class _FragmentParams:
         self._holders: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
         #: Every (parent, name, child) link of the module tree.
         self._links: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
-        if model is not None:
-            self.find_holders(model)
+        self.find_holders(model)
         self._members: list[list[tuple[torch.nn.Parameter, int, int]]] = []
         for placed in layout.offsets():
             self._members.append([(params[t.name], at, t.numel) for t, at in placed])

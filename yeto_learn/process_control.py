@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import IO, Any, NoReturn, TypeVar
 
+from yeto_sync.standard_streams import flush_and_leave
 from yeto_sync.stop_signals import Stopped, StopSignals, installed, stop_signals
 
 from .output import OutputFailed
@@ -249,8 +250,5 @@ def exit_process(code: int) -> NoReturn:
     others = [t for t in threading.enumerate() if t is not threading.main_thread()]
     if "torch" in sys.modules and others and all(t.daemon for t in others):
         logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError, AttributeError):
-                stream.flush()
-        os._exit(code)
+        flush_and_leave(code)
     sys.exit(code)

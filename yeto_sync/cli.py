@@ -9,13 +9,10 @@ module imports nothing else for that reason.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 import threading
 from collections.abc import Sequence
 
-from .standard_streams import hold_closed_standard_descriptors
+from .standard_streams import flush_and_leave, hold_closed_standard_descriptors
 from .stop_signals import StopSignals
 
 
@@ -34,9 +31,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if WORK_ABANDONED.is_set():
         # A stop left an in-process SVD running on a worker thread, which a normal exit would
         # join (minutes): everything kept is on disk and the last line is written, so go now.
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                if stream is not None:
-                    stream.flush()
-        os._exit(code)
+        flush_and_leave(code)
     return code

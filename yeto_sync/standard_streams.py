@@ -9,9 +9,11 @@ exited 1 at once). Both entry points call :func:`hold_closed_standard_descriptor
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
+from typing import NoReturn
 
 #: stdin, stdout and stderr.
 STANDARD_FDS = (0, 1, 2)
@@ -37,3 +39,12 @@ def hold_closed_standard_descriptors() -> None:
         sys.stderr = open(  # noqa: SIM115 - for the whole run
             STDERR_FD, "w", buffering=1, errors="backslashreplace", closefd=False
         )
+
+
+def flush_and_leave(code: int) -> NoReturn:
+    """Flush stdout and stderr (whichever are still there), then end the process at once with
+    ``code``: no interpreter finalization, which would join or unwind threads still running."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # closed, or None
+            stream.flush()
+    os._exit(code)

@@ -184,6 +184,7 @@ class Coordinator:
         self._step_times = StepTimes()
         self._checkpoint = checkpoint
         self._model: GlobalModel | None = None
+        self._iso_in_process = False
         self._limits: Limits | None = None
         #: The initial broadcast went out and rounds may launch.
         self._started = False
@@ -236,9 +237,7 @@ class Coordinator:
     def solves_iso_in_process(self) -> bool:
         """Whether a commit may run an SVD on the calling thread (an iso fragment with the
         scalar backend): minutes for a large matrix, which no signal can interrupt."""
-        if self._model is None or self._solver.backend is not IsoBackend.SCALAR:
-            return False
-        return any(s.geometry.merge_mode is MergeMode.ISO for s in self._model.fragments)
+        return self._iso_in_process
 
     @property
     def rounds_in_flight(self) -> tuple[Round, ...]:
@@ -376,6 +375,10 @@ class Coordinator:
             self._checkpoint = None  # installed; the model owns the arrays now
             out.append(AppendTape(tape.resumed_record(model.global_step, model.versions)))
         self._model = model
+        # Asked by the driver at every PUSH: the layout is fixed from here on.
+        self._iso_in_process = self._solver.backend is IsoBackend.SCALAR and any(
+            slot.geometry.merge_mode is MergeMode.ISO for slot in model.fragments
+        )
         self._next_step = model.global_step + 1
         out.append(
             Log(
