@@ -138,6 +138,27 @@ def join(threads: list[threading.Thread]) -> None:
         thread.join(120)
 
 
+def sigterm_in_round_1(
+    daemon: Daemon,
+    learners: list[ScriptedLearner],
+    *,
+    settle_s: float,
+    pushes_s: float,
+    exit_s: float,
+) -> tuple[int, float]:
+    """Play ``learners``, SIGTERM the daemon ``settle_s`` after round 1's pushes are all out:
+    its exit status and how long the stop took."""
+    threads, _ = play(learners)
+    wait_until(lambda: all(lr.pushes for lr in learners), pushes_s, "round 1's pushes")
+    time.sleep(settle_s)
+    daemon.signal(signal.SIGTERM)
+    began = time.monotonic()
+    code = daemon.wait(exit_s)
+    took = time.monotonic() - began
+    join(threads)
+    return code, took
+
+
 # -- an independent replay of the pinned math ------------------------------------------------
 def iso_flatten(g: NDArray[np.float64]) -> NDArray[np.float64]:
     u, sigma, vt = np.linalg.svd(g, full_matrices=False)
@@ -330,14 +351,8 @@ def test_sigterm_during_a_hanging_solve_stops_within_seconds(tmp_path: Path) -> 
     with Daemon(*flags(checkpoint, "--iso-backend=torch-svd"), env=fault) as daemon:
         pids = worker_pids(daemon)
         learners, _, _ = make_learners(daemon, 1, initial=initial)
-        threads, _ = play(learners)
-        wait_until(lambda: all(lr.pushes for lr in learners), 30, "round 1's pushes")
-        time.sleep(1.5)  # round 1's commit now waits for the hung solve
-        daemon.signal(signal.SIGTERM)
-        began = time.monotonic()
-        code = daemon.wait(30)
-        took = time.monotonic() - began
-        join(threads)
+        # After 1.5 s, round 1's commit waits for the hung solve.
+        code, took = sigterm_in_round_1(daemon, learners, settle_s=1.5, pushes_s=30, exit_s=30)
     assert code == 128 + signal.SIGTERM, daemon.stderr
     assert took < 10, f"stopping took {took:.1f} s"
     assert last_line(daemon) == "yeto-sync: stopped by SIGTERM; no checkpoint was written"
@@ -387,14 +402,8 @@ def test_sigterm_during_an_in_process_solve_stops_within_seconds(tmp_path: Path)
             )
             for i in range(LEARNERS)
         ]
-        threads, _ = play(learners)
-        wait_until(lambda: all(lr.pushes for lr in learners), 60, "round 1's pushes")
-        time.sleep(1.0)  # round 1's commit is now inside the SVD
-        daemon.signal(signal.SIGTERM)
-        began = time.monotonic()
-        code = daemon.wait(120)
-        took = time.monotonic() - began
-        join(threads)
+        # After 1 s, round 1's commit is inside the SVD.
+        code, took = sigterm_in_round_1(daemon, learners, settle_s=1.0, pushes_s=60, exit_s=120)
     assert code == 128 + signal.SIGTERM, daemon.stderr
     assert 'msg="stopping: the event in progress (a commit may be in an iso SVD)' in daemon.stderr
     assert last_line(daemon) == "yeto-sync: stopped by SIGTERM; no checkpoint was written"
