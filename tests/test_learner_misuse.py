@@ -581,12 +581,13 @@ RANK_SCRIPT = textwrap.dedent(
 )
 
 
-def two_gloo_ranks(script: str) -> list[tuple[str, str]]:
-    """Run ``script`` as ranks 0 and 1 of a gloo group; each rank's (stdout, stderr)."""
+def two_gloo_ranks(script: str, *args: str) -> list[tuple[str, str]]:
+    """Run ``script`` with ``args`` as ranks 0 and 1 of a gloo group; each rank's (stdout,
+    stderr)."""
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", script],
+            [sys.executable, "-c", script, *args],
             cwd=REPO,
             env={
                 **child_env(),
@@ -643,6 +644,51 @@ def test_a_rank_zero_setup_error_reaches_every_rank_at_once() -> None:
     assert (leader_kind, other_kind) == ("ValueError", "LearnerError"), outputs
     assert leader_text in other_text, outputs
     assert float(other_s) < 4.0, outputs  # not after rank 0's 6 s
+
+
+MODEL_CHANGES_ON_ONE_RANK = textwrap.dedent(
+    """
+    import os, sys, time, torch, torch.distributed as dist
+    from yeto_learn import Learner
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    learner = Learner(model, syncer=sys.argv[1], learner_id=0, num_learners=1, fragments=1,
+                      streams=0, connect_timeout=30)
+    if rank == int(sys.argv[2]):  # this rank alone loads weights by replacing a parameter
+        model.weight = torch.nn.Parameter(model.weight.detach().clone())
+    started = time.monotonic()
+    try:
+        learner.step(tokens=1)
+        print("stepped", flush=True)
+    except BaseException as exc:
+        print(f"{type(exc).__name__} {time.monotonic() - started:.1f}: {exc}", flush=True)
+    if rank == int(sys.argv[2]):
+        time.sleep(6)  # a script that reports its error and cleans up before it exits
+    os._exit(0)
+    """
+)
+
+
+@pytest.mark.parametrize("changed_rank", [0, 1])
+def test_a_model_changed_on_one_rank_stops_every_rank_in_that_step(
+    tmp_path: Path, changed_rank: int
+) -> None:
+    # The periodic check ran on each rank alone: the rank whose model changed raised, and the
+    # others waited in the step's token all-reduce until that rank's process left the group.
+    with running_syncer(tmp_path / "syncer", learners=1, total_steps=1000) as syncer:
+        outputs = two_gloo_ranks(MODEL_CHANGES_ON_ONE_RANK, syncer.address, str(changed_rank))
+    results = [
+        re.fullmatch(r"(\w+) ([\d.]+): (.*)", out.strip().splitlines()[-1]) for out, _ in outputs
+    ]
+    assert all(results), outputs
+    changed, other = results[changed_rank], results[1 - changed_rank]
+    assert changed and changed.group(1) == "LearnerError", outputs
+    assert "parameter 'weight' was replaced in the model" in changed.group(3), outputs
+    assert other and other.group(1) == "LearnerError", outputs
+    assert f"the model of rank {changed_rank} of this learner changed" in other.group(3)
+    assert float(other.group(2)) < 4.0, outputs  # not after the changed rank's 6 s
 
 
 class HasModuleChild(torch.nn.Module):

@@ -87,6 +87,8 @@ class RankLink(Protocol):
 
     def sum_tokens(self, tokens: int) -> int: ...
 
+    def failed_ranks(self, failed: bool) -> list[int]: ...
+
     def run_plan(self, plan: Plan | None, apply: ApplyFn, after: AfterFn) -> Plan: ...
 
 
@@ -110,6 +112,9 @@ class SoloLink:
 
     def sum_tokens(self, tokens: int) -> int:
         return tokens
+
+    def failed_ranks(self, failed: bool) -> list[int]:
+        return [0] if failed else []
 
     def run_plan(self, plan: Plan | None, apply: ApplyFn, after: AfterFn) -> Plan:
         assert plan is not None, "the leader always has a plan"
@@ -137,6 +142,7 @@ class TorchDistributedLink:
         self._group = group
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size(group)
+        self._group_rank = dist.get_rank(group)
         backend = str(dist.get_backend(group))
         # NCCL moves device tensors only; gloo (and the rest) CPU tensors.
         self.device = (
@@ -146,7 +152,7 @@ class TorchDistributedLink:
         )
         self._numels = numels
         self._staging: dict[int, torch.Tensor] = {}
-        self._leader_rank = dist.get_global_rank(group, 0) if group is not None else 0
+        self._leader_rank = self._global_rank(0)
 
     @property
     def is_leader(self) -> bool:
@@ -167,6 +173,19 @@ class TorchDistributedLink:
         total = torch.tensor([tokens], dtype=torch.int64, device=self.device)
         self._dist.all_reduce(total, op=self._dist.ReduceOp.SUM, group=self._group)
         return int(total.item())
+
+    def failed_ranks(self, failed: bool) -> list[int]:
+        """The ranks of the group that report ``failed``, on every rank: a check that one
+        rank fails alone must not leave the others waiting in the next collective."""
+        flags = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        flags[self._group_rank] = int(failed)
+        self._dist.all_reduce(flags, op=self._dist.ReduceOp.SUM, group=self._group)
+        return [self._global_rank(member) for member, flag in enumerate(flags.tolist()) if flag]
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self._group is None:
+            return group_rank
+        return int(self._dist.get_global_rank(self._group, group_rank))
 
     def run_plan(self, plan: Plan | None, apply: ApplyFn, after: AfterFn) -> Plan:
         result = self._share_and_apply(plan, apply)

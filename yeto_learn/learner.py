@@ -665,7 +665,7 @@ class Learner:
         with self._one_caller():
             self._usable()
             if self._local_step % _OWNERSHIP_CHECK_STEPS == 0:  # a module walk: not every step
-                self._check_model()
+                self._check_model_on_every_rank()
             if self.budget_reached:
                 raise LearnerError(
                     f"the budget of {self.budget_steps} local steps is reached: call finish()"
@@ -768,7 +768,7 @@ class Learner:
         """
         with self._one_caller():
             self._usable()
-            self._check_model()
+            self._check_model_on_every_rank()
             if self.budget_reached and not self.budget_reported:
                 self.report_budget()
             limit = self.finish_timeout if timeout is None else timeout
@@ -998,6 +998,25 @@ class Learner:
                 ", ".join(repr(name) for name in unsynced),
                 "s" if len(unsynced) == 1 else "",
                 "is" if len(unsynced) == 1 else "are",
+            )
+
+    def _check_model_on_every_rank(self) -> None:
+        """``_check_model`` on each rank, then every rank stops if any rank's failed: under
+        torchrun one rank's model can change alone (a rank-0-only ``load_state_dict``), and a
+        rank raising alone would leave the others waiting in the step's collectives."""
+        problem: Exception | None = None
+        try:
+            self._check_model()
+        except Exception as exc:  # every rank hears of it before this one raises it
+            problem = exc
+        failed = self._link.failed_ranks(problem is not None)
+        if problem is not None:
+            raise problem
+        if failed:
+            raise LearnerError(
+                f"the model of rank{'s' if len(failed) > 1 else ''} "
+                f"{', '.join(map(str, failed))} of this learner changed after the Learner was "
+                "built (see that rank's error): every rank stops with it"
             )
 
     def _owned(
