@@ -98,6 +98,11 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str
     return code, out, err
 
 
+def export_argv(files: dict[str, Path], out: Path) -> tuple[str | Path, ...]:
+    """``yeto checkpoint export`` of the V3 fixture to ``out``."""
+    return ("checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out)
+
+
 def inspect_json(capsys: pytest.CaptureFixture[str], path: Path) -> dict[str, Any]:
     code, out, err = run(capsys, "checkpoint", "inspect", path, "--json")
     assert code == 0, err
@@ -268,9 +273,7 @@ def test_an_export_with_stdout_closed_writes_its_file_and_exits_141(
     files: dict[str, Path], tmp_path: Path
 ) -> None:
     out = tmp_path / "model.safetensors"
-    done = with_stdout_closed(
-        "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
-    )
+    done = with_stdout_closed(*export_argv(files, out))
     assert (done.returncode, done.stderr) == (141, "")
     assert out.is_file()  # only the line saying so found no reader
 
@@ -303,9 +306,7 @@ def test_an_export_whose_message_cannot_be_written_is_one_line_and_exit_1(
     files: dict[str, Path], tmp_path: Path
 ) -> None:
     out = tmp_path / "model.safetensors"
-    done = to_a_full_disk(
-        "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
-    )
+    done = to_a_full_disk(*export_argv(files, out))
     assert (done.returncode, done.stderr) == (1, f"yeto checkpoint export: {NO_SPACE}")
     assert out.is_file()  # the export itself was written; only its message was not
 
@@ -373,9 +374,7 @@ def test_export_safetensors_is_bit_exact(
     from safetensors.numpy import load_file
 
     out = tmp_path / "model.safetensors"
-    code, stdout, err = run(
-        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
-    )
+    code, stdout, err = run(capsys, *export_argv(files, out))
     assert code == 0, err
     assert "3 tensors" in stdout
     loaded = load_file(str(out))
@@ -396,9 +395,7 @@ def test_an_export_gets_the_mode_of_any_new_file(
     umask = os.umask(0o022)
     try:
         out = tmp_path / name
-        code, _, err = run(
-            capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
-        )
+        code, _, err = run(capsys, *export_argv(files, out))
         assert code == 0, err
         assert stat.S_IMODE(out.stat().st_mode) == 0o644
     finally:
@@ -411,9 +408,7 @@ def test_export_torch_state_dict_is_bit_exact(
     import torch
 
     out = tmp_path / "model.pt"
-    code, _, err = run(
-        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
-    )
+    code, _, err = run(capsys, *export_argv(files, out))
     assert code == 0, err
     state_dict = torch.load(out, weights_only=True)
     expected = expected_tensors(files["v3"])
@@ -491,9 +486,7 @@ def test_an_export_removes_what_an_unfinished_export_to_the_same_file_left(
     for path in (left, fresh):
         path.write_bytes(b"partial export")
     os.utime(left, (time.time() - 120, time.time() - 120))
-    code, _, err = run(
-        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
-    )
+    code, _, err = run(capsys, *export_argv(files, out))
     assert code == 0, err
     assert not left.exists() and fresh.exists() and out.exists()
     assert err == f"yeto checkpoint export: removed {left} (14 bytes), left by an export that " \
@@ -577,9 +570,7 @@ def test_export_into_a_missing_directory_is_ckpt_io(
     capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path
 ) -> None:
     out = tmp_path / "no-such-dir" / "model.safetensors"
-    code, _, err = run(
-        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
-    )
+    code, _, err = run(capsys, *export_argv(files, out))
     assert code == 2 and "CKPT_IO" in err and str(out) in err and err.count("\n") == 1
 
 
@@ -596,9 +587,7 @@ def test_an_export_onto_a_directory_is_refused_before_anything_is_written(
     out = tmp_path / name
     out.mkdir()
     monkeypatch.setattr(checkpoint_cli, "atomic_replace", None)  # never reached
-    code, _, err = run(
-        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
-    )
+    code, _, err = run(capsys, *export_argv(files, out))
     assert code == 2 and err.count("\n") == 1, err
     assert f"CKPT_IO: write: is a directory (file {out})" in err, err
     assert out.is_dir() and not any(out.iterdir())
@@ -608,14 +597,10 @@ def test_a_torch_export_may_end_in_pth(
     capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path
 ) -> None:
     out = tmp_path / "model.pth"
-    code, _, err = run(
-        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
-    )
+    code, _, err = run(capsys, *export_argv(files, out))
     assert code == 0 and out.is_file(), err
     bad = tmp_path / "model.bin"
-    code, _, err = run(
-        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", bad
-    )
+    code, _, err = run(capsys, *export_argv(files, bad))
     assert code == 2 and "must end in .safetensors, .pt or .pth, not 'model.bin'" in err, err
 
 
@@ -638,9 +623,7 @@ def test_a_stop_that_torchs_writer_turns_into_its_own_error_is_reported_as_the_s
 
     monkeypatch.setattr(checkpoint_cli, "_save_torch", torch_swallowing_the_stop)
     out = tmp_path / "model.pt"
-    code, _, err = run(
-        capsys, "checkpoint", "export", files["v3"], "--layout", files["layout"], "--out", out
-    )
+    code, _, err = run(capsys, *export_argv(files, out))
     assert (code, err) == (
         128 + signal.SIGTERM,
         f"yeto checkpoint export: stopped by SIGTERM; {out} was not written\n",
