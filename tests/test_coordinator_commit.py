@@ -10,7 +10,8 @@ from numpy.typing import NDArray
 from sim import CONTRACT, FINGERPRINT, Sim, avg_layout
 
 from yeto_proto.checkpoint import Checkpoint, CheckpointFormat, LedgerEntry, TrailerKind
-from yeto_proto.constants import IsoBackend, MergeMode
+from yeto_proto.constants import IsoBackend, MergeMode, WireDtype
+from yeto_proto.dtypes import bf16_to_f32, f32_to_bf16
 from yeto_proto.layout import WireFragment, WireLayout
 from yeto_proto.messages import BcastFragment, PullReq
 from yeto_sync.config import SyncerConfig
@@ -238,5 +239,27 @@ def test_merge_error_fails_the_commit_before_any_state_changes(
     np.testing.assert_array_equal(params_after, snapshot)
     assert not any(isinstance(x, WriteCheckpoint) for x in actions)
     assert not any(isinstance(x, Send) for x in actions)
+
+
+@pytest.mark.parametrize("dtype", [WireDtype.BF16, WireDtype.Q4])
+def test_a_commit_whose_bf16_broadcast_would_be_infinite_fails(
+    tmp_path: Path, dtype: WireDtype
+) -> None:
+    # Θ' ≈ 3.3987e38 is finite in f32 but a bf16 infinity: the BCAST used to carry it, and
+    # every learner had to stop on it as the syncer's violation (spec/syncer.md § 7).
+    config = SyncerConfig(
+        learners=1, total_steps=3, checkpoint_path=tmp_path / "c", checkpoint_every=1
+    )
+    start = np.full(6, bf16_to_f32(f32_to_bf16(np.array([3.3e38], np.float32)))[0], np.float32)
+    sim = Sim(config, avg_layout((6,)), dtype=dtype)
+    (a,) = sim.start(auto=False, params=[start])
+    a.deltas = lambda learner, step, fragment, numel: np.full(numel, 7.7e36, np.float32)
+
+    actions = sim.message(a.key, a.push_for(sim.sends_to(a.key, PullReq)[0]))
+
+    assert isinstance(actions[-1], Exit) and actions[-1].code != 0
+    assert "beyond bf16's range" in actions[-1].reason
+    assert sim.tape[-1]["event"] == "merge_failed"
+    assert not any(isinstance(x, Send | WriteCheckpoint) for x in actions)
     # After Exit the coordinator does nothing more.
     assert sim.message(a.key, a.push_for(sim.sends_to(a.key, PullReq)[0])) == []

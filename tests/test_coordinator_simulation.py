@@ -1283,8 +1283,11 @@ class Oracle:
                     momentum,
                     [(o.push.c_steps, o.push.c_tokens, o.values) for o in pushes],
                 )
-            # § 7: a NaN or infinity in Δ, buf' or Θ' (Δ's shows in buf') fails the commit
+            # § 7: a NaN or infinity in Δ, buf' or Θ' (Δ's shows in buf') fails the commit,
+            # and in a bf16 BCAST session so does a Θ' that rounds to a bf16 infinity
             failed = not (np.all(np.isfinite(theta)) and np.all(np.isfinite(buf)))
+            if not failed and self.dtype is not WireDtype.F32:
+                failed = bool(np.any(np.abs(theta) >= np.uint32(0x7F7F8000).view(np.float32)))
         else:  # the coordinator's own merge: checks what it is fed, not the math
             try:
                 merged = self.merge(geometry, order, pushes, params, momentum)

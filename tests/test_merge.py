@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from numpy.typing import ArrayLike, NDArray
 
 from yeto_proto.constants import IsoBackend, MergeMode, WireDtype
-from yeto_proto.dtypes import f32_to_bf16
+from yeto_proto.dtypes import BF16_OVERFLOW, f32_to_bf16
 from yeto_proto.identity import DeltaCorrection, LearnerWeight
 from yeto_proto.layout import WireFragment
 from yeto_sync import merge as merge_module
@@ -735,6 +735,32 @@ def test_overflowing_step_fails_the_whole_round() -> None:
     assert_bits(params, [3.0e38, 1.0])
     assert_bits(momentum, [0.0, 0.0])
     assert ledger == {0: (4, 40, 400)}
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_step_beyond_bf16s_range_fails_a_bf16_sessions_round(sign: float) -> None:
+    # Θ' ≈ ±3.3998e38 is finite in f32, so it was committed, and its bf16 BCAST carried an
+    # infinity that every learner must refuse as the syncer's violation (spec/learner.md § 3).
+    geometry = fragment(MergeMode.AVG, (1, 2))
+    params, momentum = f32([sign * 3.3e38, 1.0]), f32([0.0, 0.0])
+    rs = [response(0, [sign * -7.5e36, 0.0])]
+    committed = merge_round(geometry, rs, params, momentum, {}, NO_CORRECTION)  # f32: fine
+    assert np.isfinite(committed.params).all()
+    assert abs(committed.params[0]) >= BF16_OVERFLOW
+    bits = np.zeros(2, np.uint16)
+    with pytest.raises(MergeError, match="beyond bf16's range"):
+        merge_round(geometry, rs, params, momentum, {}, NO_CORRECTION, params_bf16=bits)
+    assert_bits(params, [sign * 3.3e38, 1.0])
+
+
+def test_a_step_just_inside_bf16s_range_is_committed_in_a_bf16_session() -> None:
+    geometry = fragment(MergeMode.AVG, (1, 2))
+    below = np.nextafter(BF16_OVERFLOW, np.float32(0))
+    params, momentum = f32([below, -below]), f32([0.0, 0.0])
+    bits = np.zeros(2, np.uint16)
+    merge_round(geometry, [response(0, [0.0, 0.0])], params, momentum, {}, NO_CORRECTION,
+                params_bf16=bits)  # fmt: skip
+    assert bits.tolist() == [0x7F7F, 0xFF7F]
 
 
 def test_nesterov_refuses_mismatched_arrays() -> None:

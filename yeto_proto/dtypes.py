@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import numpy as np
 from numpy.typing import NDArray
@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover - exercised by forcing the fallback in t
     _ML_BFLOAT16 = None
 
 __all__ = [
+    "BF16_OVERFLOW",
     "BytesLike",
     "Q4_LEVEL_THRESHOLDS",
     "all_finite",
@@ -68,6 +69,11 @@ _Q4_BLOCKS_PER_STEP = _BLOCK_VALUES // Q4_BLOCK_VALUES
 _F32_ABS_MASK = 0x7FFF_FFFF
 _F32_INF_BITS = 0x7F80_0000
 _BF16_QUIET_BIT = 0x0040
+
+#: The smallest f32 magnitude that rounds to a bf16 infinity: (2 − 2⁻⁸)·2¹²⁷, halfway between
+#: the largest bf16 (0x7F7F) and 2¹²⁸, a tie that goes to the even 0x7F80. A finite f32 at or
+#: beyond it is finite in a checkpoint and infinite in a bf16 BCAST.
+BF16_OVERFLOW: Final = np.frombuffer((0x7F7F_8000).to_bytes(4, "little"), _F32)[0]
 
 # -- q4 levels -----------------------------------------------------------------------------------
 # The pinned encoder computes, in f32, L = clamp(round_half_even(log2(r)) + 7, 0, 7) for the

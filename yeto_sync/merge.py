@@ -40,7 +40,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from yeto_proto.constants import U64_MAX, IsoBackend, MergeMode
-from yeto_proto.dtypes import all_finite, f32_to_bf16, proven_finite
+from yeto_proto.dtypes import BF16_OVERFLOW, all_finite, f32_to_bf16, proven_finite
 from yeto_proto.identity import DeltaCorrection, LearnerWeight
 from yeto_proto.layout import WireFragment
 from yeto_proto.wire_tensor import WireTensor
@@ -794,12 +794,19 @@ class _StepPass:
             np.subtract(self.params[start:stop], theta, out=theta)
             # θ' = θ − lr·(μ·buf' + Δ) is non-finite whenever buf' or Δ is (0·inf is NaN
             # too), so one screen covers all three arrays; the exact checks say which failed.
+            # A proven block's squares sum to at most the largest f32, so each |θ'| < 2⁶⁴:
+            # only an unproven one can hold a value that the bf16 BCAST makes infinite.
             if not proven_finite(theta):
                 if not _all_finite(d):
                     raise MergeError("merged outer gradient is not finite; commit refused")
                 if not (_all_finite(buf) and _all_finite(theta)):
                     raise MergeError(
                         "outer step produced non-finite parameters or momentum; commit refused"
+                    )
+                if self.params_bf16 is not None and np.abs(theta).max() >= BF16_OVERFLOW:
+                    raise MergeError(
+                        "outer step produced parameters beyond bf16's range (finite, but "
+                        "infinite in the bf16 broadcast learners must refuse); commit refused"
                     )
             if self.params_bf16 is not None:  # while the block is in cache
                 f32_to_bf16(theta, out=self.params_bf16[start:stop])
