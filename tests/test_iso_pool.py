@@ -283,6 +283,21 @@ def test_a_shared_memory_shortage_refuses_the_job_and_the_pool_goes_on(
     assert relative_gap(got, SCALAR_ISO_SOLVER.polar_flatten(matrix, 4, 4)) <= 1e-5
 
 
+@pytest.mark.parametrize("errno_value", [errno.EINVAL, errno.EOPNOTSUPP])
+def test_a_file_system_that_cannot_reserve_stages_unreserved(
+    pool: IsoWorkerPool, monkeypatch: pytest.MonkeyPatch, errno_value: int
+) -> None:
+    """Such an answer says nothing of the room left: every iso commit was refused."""
+
+    def cannot_reserve(descriptor: int, offset: int, length: int) -> None:
+        raise OSError(errno_value, os.strerror(errno_value))
+
+    monkeypatch.setattr(pool_module.os, "posix_fallocate", cannot_reserve)
+    matrix = np.random.default_rng(4).standard_normal(16).astype(np.float32)
+    got = pool.polar_flatten(matrix, 4, 4)
+    assert relative_gap(got, SCALAR_ISO_SOLVER.polar_flatten(matrix, 4, 4)) <= 1e-5
+
+
 def test_bad_requests_are_value_errors(pool: IsoWorkerPool) -> None:
     with pytest.raises(ValueError, match="not 3x3"):
         pool.polar_flatten(np.ones(8, np.float32), 3, 3)

@@ -34,6 +34,7 @@ solve (exit non-zero, no checkpoint for it).
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import math
 import multiprocessing
@@ -74,6 +75,9 @@ CLOSE_MARGIN_S: Final = 5.0
 
 #: Seconds the workers get to import torch and report ready (a cold start on a busy machine).
 DEFAULT_STARTUP_DEADLINE_S: Final = 120.0
+
+#: posix_fallocate's answers for "this file system cannot reserve", not "no room".
+_CANNOT_RESERVE: Final = frozenset({errno.EINVAL, errno.EOPNOTSUPP})
 
 ENV_WORKERS: Final = "YETO_ISO_WORKERS"
 ENV_THREADS: Final = "YETO_ISO_THREADS"
@@ -280,7 +284,13 @@ class IsoJob:
             # A shared block's pages are only taken when first touched: on a full /dev/shm
             # (a container's 64 MiB) that touch is a SIGBUS that kills the daemon without a
             # word. Reserved now, the shortage is an OSError the commit can refuse.
-            os.posix_fallocate(descriptor, 0, block.size)
+            try:
+                os.posix_fallocate(descriptor, 0, block.size)
+            except OSError as exc:
+                # A file system that cannot reserve (EINVAL, EOPNOTSUPP) goes on unreserved,
+                # as on a platform without the call; a real shortage is still refused.
+                if exc.errno not in _CANNOT_RESERVE:
+                    raise
         self._dtype = flat.dtype.name
         staged: np.ndarray = np.ndarray(flat.shape, dtype=flat.dtype, buffer=block.buf)
         np.copyto(staged, flat)
