@@ -706,6 +706,20 @@ def test_export_refuses_fragment_count_and_size_mismatches() -> None:
         '[{"merge_mode": "avg", "tensors": [{"name": "\\ud800", "shape": [2]}]}]}',
         '{"format": "yeto-layout-v1", "fragments": []}',
         '{"format": "yeto-layout-v1", "fragments": ["avg"]}',
+        # Strict RFC 8259, as serde and most readers other than Python's take it: a repeated
+        # key (which one wins differs between readers), NaN/Infinity tokens (not JSON) even
+        # where a key is ignored, and an empty name (nothing to export it as) are defects.
+        '{"format": "bogus", "format": "yeto-layout-v1", "fragments": '
+        '[{"merge_mode": "avg", "tensors": [{"name": "a", "shape": [2]}]}]}',
+        '{"format": "yeto-layout-v1", "fragments": '
+        '[{"merge_mode": "avg", "tensors": [{"name": "a", "name": "b", "shape": [2]}]}]}',
+        *(
+            '{"format": "yeto-layout-v1", "note": ' + token + ', "fragments": '
+            '[{"merge_mode": "avg", "tensors": [{"name": "a", "shape": [2]}]}]}'
+            for token in ("NaN", "Infinity", "-Infinity")
+        ),
+        '{"format": "yeto-layout-v1", "fragments": '
+        '[{"merge_mode": "avg", "tensors": [{"name": "", "shape": [2]}]}]}',
     ],
 )
 def test_a_bad_layout_file_is_one_coded_error(tmp_path: Path, text: str) -> None:

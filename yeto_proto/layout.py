@@ -188,7 +188,25 @@ class Layout:
 
     @classmethod
     def from_json(cls, text: str) -> Layout:
-        return cls.from_json_dict(json.loads(text))
+        """Read a layout file's text as strict RFC 8259 JSON: a repeated key and the
+        ``NaN``/``Infinity`` tokens Python's reader allows are refused (``ValueError``), so
+        that every reader of the file sees the same document."""
+        return cls.from_json_dict(
+            json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_not_json)
+        )
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} appears twice in one object")
+        seen[key] = value
+    return seen
+
+
+def _not_json(token: str) -> Any:
+    raise ValueError(f"{token} is not a JSON value")
 
 
 #: numpy's limit, so that every tensor of the file can be exported as an array.
@@ -214,8 +232,8 @@ def _tensor_from_json(where: str, raw: object) -> TensorSpec:
     if not isinstance(raw, dict):
         raise ValueError(f"{where} is not an object")
     name, shape = raw.get("name"), raw.get("shape")
-    if not isinstance(name, str):
-        raise ValueError(f"{where}: name must be a string")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: name must be a non-empty string")
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
