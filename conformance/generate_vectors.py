@@ -1759,6 +1759,22 @@ def push_fragment_file() -> Json:
             "Boundary",
         ),
         header_error("len 2^63", PUSH_FRAGMENT, 1 << 63, "FRAME_TOO_LARGE", "HugeLength"),
+        # Added after the first release of this group: at the end, so no tcId moves.
+        invalid(
+            "payload of 40 bytes with c_steps 0 and no c_tokens: the whole fixed prefix is read "
+            "before c_steps is judged",
+            frame(PUSH_FRAGMENT, push_fragment(b"", c_steps=0)[0][HEADER_SIZE:-8]),
+            "TRUNCATED_PAYLOAD",
+            "CheckOrder",
+            "Truncated",
+        ),
+        invalid(
+            "payload of 47 bytes with c_steps 0, ending inside c_tokens: TRUNCATED_PAYLOAD",
+            frame(PUSH_FRAGMENT, push_fragment(b"", c_steps=0)[0][HEADER_SIZE:-1]),
+            "TRUNCATED_PAYLOAD",
+            "CheckOrder",
+            "Truncated",
+        ),
     ]
     bf16_tests = [
         valid(
@@ -1903,6 +1919,22 @@ def bcast_fragment_file() -> Json:
             "Boundary",
         ),
         header_error("len 2^63", BCAST_FRAGMENT, 1 << 63, "FRAME_TOO_LARGE", "HugeLength"),
+        # Added after the first release of this group: at the end, so no tcId moves.
+        invalid(
+            "payload of 4 bytes naming fragment 99 = F + 97: the whole fixed prefix (12 bytes) "
+            "is read before the fragment id is judged",
+            frame(BCAST_FRAGMENT, struct.pack("<I", 99)),
+            "TRUNCATED_PAYLOAD",
+            "CheckOrder",
+            "Truncated",
+        ),
+        invalid(
+            "payload of 11 bytes naming fragment 2 = F, ending inside version: TRUNCATED_PAYLOAD",
+            frame(BCAST_FRAGMENT, struct.pack("<I", 2) + bytes(7)),
+            "TRUNCATED_PAYLOAD",
+            "CheckOrder",
+            "Truncated",
+        ),
     ]
     bf16_tests = [
         valid("fragment 0 (6 bf16)", bcast(0, 3, S_BF16.bulk(0, "bcast/bf16/0")), "Normal"),
