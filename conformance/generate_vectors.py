@@ -2971,6 +2971,48 @@ def chunk_sequences_file() -> Json:
             "Direction",
             code="BAD_INNER_FRAME",
         ),
+        sequence(
+            "partial msg 0, then a first CHUNK of msg 70000 (the highest id yet: a new partial), "
+            "then the rest of msg 0: a message already partial completes whatever its id, though "
+            "0 is now 70,000 below the highest",
+            [
+                chunk(0, 25, 0, init_inner[:10])[0].hex(),
+                chunk(70000, 25, 0, init_inner[:10])[0].hex(),
+                chunk(0, 25, 10, init_inner[10:])[0].hex(),
+            ],
+            "Boundary",
+            "OutOfOrder",
+            decoded=[init_json],
+        ),
+        sequence(
+            "as before, then a first CHUNK of msg 1: 69,999 below the highest id, outside the "
+            "window, so it names a completed message",
+            [
+                chunk(0, 25, 0, init_inner[:10])[0].hex(),
+                chunk(70000, 25, 0, init_inner[:10])[0].hex(),
+                chunk(0, 25, 10, init_inner[10:])[0].hex(),
+                chunk(1, 25, 0, init_inner)[0].hex(),
+            ],
+            "OutOfOrder",
+            code="CHUNK_OVERLAP",
+            completed_before_error=[init_json],
+        ),
+        sequence(
+            "an inner BCAST at the syncer, 60 bytes over the BCAST limit (12 + 12) but within "
+            "the inner limit: its direction (rule 13) before its type's limit (rule 14)",
+            bad_inner(versioned_fragment(BCAST_FRAGMENT, 0, 1, bytes(48))[0]),
+            "CheckOrder",
+            "Direction",
+            "Limit",
+            code="WRONG_DIRECTION",
+        ),
+        sequence(
+            "64 partial messages open, then a single CHUNK carrying a whole message: it would "
+            "complete at once, yet it is a 65th message's first CHUNK (rule 5 counts before it)",
+            sixty_four[:MAX_PARTIALS] + [chunk(MAX_PARTIALS, 25, 0, init_inner)[0].hex()],
+            "Boundary",
+            code="TOO_MANY_PARTIALS",
+        ),
     ]
     bcast_inner, bcast_json = versioned_fragment(
         BCAST_FRAGMENT, 1, 2, S_BF16.bulk(1, "seq/bcast")
@@ -3048,6 +3090,37 @@ def chunk_sequences_file() -> Json:
             code="CHUNK_OVERLAP",
         ),
     ]
+    # A q4 session: the syncer's inner limit follows the bf16 INIT (13 + 4 + 2N = 531), not the
+    # q4 PUSH (13 + 48 + 264 = 325) (spec/striping.md § 4.1).
+    q4_init, q4_init_json = init_params(0, S_Q4.bulk(0, "seq/q4/init"))
+    q4_push, q4_push_json = push_fragment(S_Q4.push_delta(0, "seq/q4/push"))
+    assert len(q4_init) == 531 and len(q4_push) == 325
+    q4_tests = [
+        sequence(
+            "a q4 session's INIT of fragment 0: 531 bytes, exactly the inner limit "
+            "13 + 4 + 2 * 257, in 256-byte slices",
+            chunks_of(0, q4_init, slices(q4_init, 256)),
+            "Boundary",
+            "Limit",
+            decoded=[q4_init_json],
+            slice_size=256,
+        ),
+        sequence(
+            "a q4 PUSH of fragment 0 (325 bytes), then the INIT (531): both within the limit",
+            chunks_of(0, q4_push, slices(q4_push, 256))
+            + chunks_of(1, q4_init, slices(q4_init, 256)),
+            "Normal",
+            decoded=[q4_push_json, q4_init_json],
+            slice_size=256,
+        ),
+        sequence(
+            "total_len 532, one over the inner limit 13 + 4 + 2 * 257 of a q4 session",
+            [chunk(0, 532, 0, q4_init[:256])[0].hex()],
+            "Limit",
+            "Boundary",
+            code="CHUNK_TOTAL_TOO_LARGE",
+        ),
+    ]
     return vector_file(
         "chunk_sequences",
         [
@@ -3070,6 +3143,11 @@ def chunk_sequences_file() -> Json:
                 "type": "ChunkSequenceTest",
                 "context": S_WIDE.context("syncer", num_learners=4),
                 "tests": fragmented,
+            },
+            {
+                "type": "ChunkSequenceTest",
+                "context": S_Q4.context("syncer", num_learners=4),
+                "tests": q4_tests,
             },
         ],
     )
