@@ -1285,6 +1285,21 @@ def hello_variants_file() -> Json:
             "Iso",
             "Truncated",
         ),
+        # Added after the first release of this group: at the end, so no tcId moves.
+        invalid(
+            "an iso record of two tensors whose first shape has rows 0 and whose second shape is "
+            "cut off: the 16 * n bound on the shapes comes before check 10",
+            frame(
+                HELLO,
+                iso(WireFragment(ISO, (6, 6), ((0, 6), (3, 2)))).payload()[
+                    : HELLO_FIRST_FRAGMENT_AT + 5 + 16 + 16
+                ],
+            ),
+            "TRUNCATED_PAYLOAD",
+            "CheckOrder",
+            "Iso",
+            "Truncated",
+        ),
     ]
     profile_tests = [
         valid(
