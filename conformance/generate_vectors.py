@@ -108,6 +108,9 @@ FLAG_NOTES = {
     "Iso": "An iso fragment: (rows, cols) per tensor follow its numels.",
     "Limit": "A size limit derived from the session (dtype and fragment numels).",
     "NaN": "A NaN value or NaN-carrying bit pattern.",
+    "NeedData": "Only the start of a frame (its header, maybe a few payload bytes) at a size "
+    "limit exactly: the decoder must accept it so far and ask for more data (result "
+    "incomplete).",
     "NewGeneration": "Another connection_generation of a learner id that was admitted before.",
     "NonFinite": "A NaN or an infinity in a tensor the learner receives or would send.",
     "Normal": "An ordinary, typical case.",
@@ -757,6 +760,16 @@ def acceptable(comment: str, built: tuple[bytes, Json], code: str, *flags: str) 
     return test
 
 
+def incomplete(comment: str, data: bytes, *flags: str) -> Json:
+    """The start of a frame the decoder must accept as far as it goes (it then needs data)."""
+    return {
+        "comment": comment,
+        "flags": ["NeedData", *flags],
+        "hex": data.hex(),
+        "result": "incomplete",
+    }
+
+
 def header_error(
     comment: str,
     frame_type: int,
@@ -1175,7 +1188,24 @@ def hello_file() -> Json:
         [
             frame_group(
                 fresh_syncer(),
-                good + bad_version + bad_fields + bad_tail + order + first_frame_limit + iso_cut,
+                good
+                + bad_version
+                + bad_fields
+                + bad_tail
+                + order
+                + first_frame_limit
+                + iso_cut
+                # Added after the first release of this group: at the end, so no tcId moves.
+                + [
+                    incomplete(
+                        "HELLO declaring exactly 16 MiB, followed by the start of a real "
+                        "payload: within the first-frame limit, so the decoder waits for the rest",
+                        HEADER.pack(MAGIC, HELLO, FIRST_FRAME_LIMIT) + h.payload()[:16],
+                        "FirstFrame",
+                        "Boundary",
+                        "Limit",
+                    )
+                ],
             ),
             frame_group(fresh_syncer(num_learners=None), unchecked),
             frame_group(S_F32.context("syncer", num_learners=4), later),
@@ -2308,6 +2338,14 @@ def error_file() -> Json:
             "Boundary",
         ),
         header_error("len 2^63", ERROR, 1 << 63, "FRAME_TOO_LARGE", "HugeLength"),
+        # Added after the first release of this group: at the end, so no tcId moves.
+        valid(
+            "exactly 65,536 bytes (the limit): 32,768 two-byte characters",
+            error_frame("é" * (ERROR_LIMIT // 2)),
+            "Limit",
+            "Boundary",
+            "Unicode",
+        ),
     ]
     to_syncer = [
         header_error(
@@ -2603,6 +2641,14 @@ def chunk_file() -> Json:
             "Boundary",
         ),
         header_error("len 2^63", CHUNK, 1 << 63, "FRAME_TOO_LARGE", "HugeLength"),
+        # Added after the first release of this group: at the end, so no tcId moves.
+        incomplete(
+            "len 24 + 4 MiB exactly (the largest CHUNK), header only: the decoder waits for the "
+            "payload",
+            HEADER.pack(MAGIC, CHUNK, CHUNK_ENVELOPE + SLICE_SIZE),
+            "Limit",
+            "Boundary",
+        ),
     ]
     bcast = versioned_fragment(BCAST_FRAGMENT, 0, 1, S_BF16.bulk(0, "chunk/bcast"))[0]  # 37 bytes
     learner_tests = [
@@ -2625,6 +2671,16 @@ def chunk_file() -> Json:
             "Boundary",
         ),
         header_error("len 2^62", CHUNK, 1 << 62, "FRAME_TOO_LARGE", "HugeLength"),
+        # Added after the first release of this group: at the end, so no tcId moves.
+        incomplete(
+            "len 24 + 4 MiB exactly, its envelope and the first byte of a BCAST: the decoder "
+            "waits for the rest",
+            HEADER.pack(MAGIC, CHUNK, CHUNK_ENVELOPE + SLICE_SIZE)
+            + struct.pack("<QQQ", 0, 2 * SLICE_SIZE, 0)
+            + b"\xde",
+            "Limit",
+            "Boundary",
+        ),
     ]
     return vector_file(
         "CHUNK",

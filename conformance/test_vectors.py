@@ -274,7 +274,9 @@ def params(selected: list[Case]) -> pytest.MarkDecorator:
     return pytest.mark.parametrize("case", selected, ids=[c.id for c in selected])
 
 
-FRAME_CASES = cases("FrameTest")
+#: ``incomplete`` tests are only the start of a frame: they have their own test below.
+FRAME_CASES = [c for c in cases("FrameTest") if c.result != "incomplete"]
+INCOMPLETE = [c for c in cases("FrameTest") if c.result == "incomplete"]
 DECODABLE = [c for c in FRAME_CASES if c.result != "invalid"]
 VALID = [c for c in FRAME_CASES if c.result == "valid"]
 FAIL_EARLY = [c for c in FRAME_CASES if "fail_after" in c.test]
@@ -668,6 +670,25 @@ def test_valid_frame_reencodes_to_the_same_bytes(case: Case) -> None:
     assert encode_bytes(message, hello_key=key) == case.frame
     rebuilt = message_from_json(case.test["decoded"])
     assert encode_bytes(rebuilt, hello_key=key) == case.frame
+
+
+@params(INCOMPLETE)
+def test_frame_start_at_a_limit_needs_data(case: Case) -> None:
+    """``incomplete``: the start of a frame at a size limit exactly (a 16 MiB HELLO, a CHUNK of
+    24 + 4 MiB) is accepted as far as it goes, fed whole or byte by byte: the decoder needs
+    data, and the end of the stream is then CONNECTION_CLOSED_MID_FRAME."""
+    assert case.context is not None
+    frame = case.frame
+    for pieces in ([frame], [frame[i : i + 1] for i in range(len(frame))]):
+        run = Run(case.context)
+        for piece in pieces:
+            run.feed(piece)
+            assert run.error is None, f"refused after {run.fed} bytes: {run.error!r}"
+            assert not run.messages
+            assert run.state() is NEED_DATA
+        run.feed(b"")
+        assert run.error is not None
+        assert run.error.code is ErrorCode.CONNECTION_CLOSED_MID_FRAME
 
 
 # -- chunk sequences -----------------------------------------------------------------------------
