@@ -8090,6 +8090,30 @@ def layout_file_tests() -> list[Json]:
             json.dumps(with_tensor(name="w\U0001f600")).encode("ascii"),
             pair,
         ),
+        # Strict RFC 8259 (spec/checkpoint.md § 6): a repeated key and the NaN, Infinity and
+        # -Infinity tokens are defects wherever they stand, in ignored keys too.
+        bad(
+            'the key "format" twice, with the same value',
+            text(good).replace(b"{", b'{\n  "format": "yeto-layout-v1",', 1),
+        ),
+        bad(
+            'a tensor with the key "shape" twice',
+            with_dimension_token(b'1, 1], "shape": [1'),
+        ),
+        bad(
+            "a key repeated inside an ignored object",
+            text({**good, "note": "NOTE"}).replace(b'"NOTE"', b'{"a": 1, "a": 1}'),
+        ),
+        bad(
+            "NaN as the value of an ignored key",
+            text({**good, "note": "NOTE"}).replace(b'"NOTE"', b"NaN"),
+        ),
+        bad(
+            "Infinity in an ignored list of a fragment",
+            text(with_fragments({**first, "x": "X"}, *rest)).replace(b'"X"', b"[Infinity]"),
+        ),
+        bad("a dimension -Infinity", with_dimension_token(b"-Infinity")),
+        bad("an empty name", text(with_tensor(name="")), "Boundary"),
     ]
 
 
