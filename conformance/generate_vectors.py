@@ -2290,14 +2290,19 @@ def shutdown_file() -> Json:
 
 def error_file() -> Json:
     tests = [
+        # The texts of spec/wire.md § 5.5, as yeto's syncer writes them (any text is valid).
         valid(
-            "the first-frame refusal",
-            error_frame("invalid first frame: type 3 (expected HELLO or DATA_HELLO)"),
+            "the first-frame refusal: invalid first frame: <CODE>: detail",
+            error_frame(
+                "invalid first frame: INVALID_FIRST_FRAME: type 3 (expected HELLO or DATA_HELLO)"
+            ),
             "Normal",
         ),
         valid(
-            "HELLO authentication failure",
-            error_frame("HELLO authentication failed: MAC does not verify"),
+            "HELLO authentication failure: HELLO authentication failed: <CODE>: detail",
+            error_frame(
+                "HELLO authentication failed: HELLO_AUTH_FAILED: HELLO MAC does not verify"
+            ),
             "Normal",
         ),
         valid("multi-byte UTF-8", error_frame("Größe ≠ 5 — fragment ✓ 🚀"), "Unicode"),
