@@ -907,6 +907,26 @@ def test_acceptable_values_are_refused_by_the_codec(case: Case) -> None:
     assert case.code == "NON_FINITE_VALUE" and not all_finite(values)
 
 
+@params(
+    [c for c in FRAME_CASES if c.result == "acceptable" and c.test["decoded"]["type"] == "CHUNK"]
+)
+def test_acceptable_chunk_is_refused_by_the_reassembler(case: Case) -> None:
+    """An acceptable CHUNK is well formed; if the frame decoder returns it, a fresh reassembler
+    of the context's receiver and session refuses it with ``code`` (spec/striping.md § 4)."""
+    assert case.context is not None and case.context.limits is not None
+    run = Run(case.context)
+    run.feed(case.frame)
+    check_outcome(case, run.messages, run.error)
+    if run.error is not None:
+        return  # the decoder refused it already, with the code
+    [message] = run.messages
+    assert isinstance(message, Chunk)
+    reassembler = Reassembler(case.context.receiver, case.context.limits)
+    with pytest.raises(RemoteProtocolError) as caught:
+        reassembler.add(message)
+    assert caught.value.code.value == case.code
+
+
 # -- session admission ---------------------------------------------------------------------------
 
 
