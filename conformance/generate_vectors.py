@@ -2425,6 +2425,13 @@ def final_manifest_file() -> Json:
         header_error(
             "len 2^63", FINAL_MANIFEST, 1 << 63, "BAD_FRAME_LENGTH", "ExactSize", "HugeLength"
         ),
+        # Added after the first release of this group: at the end, so no tcId moves.
+        valid(
+            "a version (9) above final_global_step (8) decodes: the learner's session refuses "
+            "it with BAD_MANIFEST (learner_session.json), the frame decoder does not judge it",
+            final_manifest(8, [7, 9]),
+            "Boundary",
+        ),
     ]
     three = [
         valid("three fragments, final step 9", final_manifest(9, [7, 8, 9]), "Normal"),
