@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -57,6 +58,7 @@ from yeto_proto import (
     PushFragment,
     Reassembler,
     Role,
+    Shutdown,
     WireDtype,
     WireFragment,
     WireLayout,
@@ -190,6 +192,13 @@ def open_group(
     return client, group
 
 
+def reset(sock: socket.socket) -> None:
+    """Close ``sock`` with a reset, as a broken link does (a clean EOF on one data socket,
+    with stream 0 still open, gives stream 0 its close grace first)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
 def next_item(client: SyncerClient, timeout: float = 5.0) -> InboxItem:
     item = client.wait(timeout)
     assert item is not None, "the client delivered nothing in time"
@@ -281,7 +290,7 @@ def test_a_lost_group_is_redialed_after_a_second_with_a_fresh_generation(
     syncer: ScriptedSyncer, make_client: list[SyncerClient]
 ) -> None:
     client, first = open_group(make_client, syncer, 1, heartbeat_interval=60)
-    first.data[0].sock.close()  # one socket fails: the whole group goes
+    reset(first.data[0].sock)  # one socket fails: the whole group goes
     lost_at = time.monotonic()
     lost = next_item(client)
     assert isinstance(lost, GroupLost) and lost.epoch == 1
@@ -368,6 +377,23 @@ def test_nothing_is_started_on_a_socket_the_syncer_closed(
         items.append(next_item(client))
     assert any(isinstance(i, Undelivered) and i.message == BudgetDone(10) for i in items), items
     group.close()
+
+
+def test_a_shutdown_held_back_on_stream_0_past_the_short_grace_still_arrives(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient]
+) -> None:
+    # The syncer closes the whole group after SHUTDOWN; a data socket's EOF came first and
+    # stream 0 lagged (a retransmission over a WAN): the group was dropped after 0.5 s with
+    # the SHUTDOWN unread, and the learner redialed a syncer that had already exited.
+    client, group = open_group(make_client, syncer, 1, heartbeat_interval=60)
+    group.data[0].sock.close()
+    time.sleep(1.5)
+    group.control.send(Shutdown())
+    group.control.sock.close()
+    items = [next_item(client)]
+    while not isinstance(items[-1], GroupLost):
+        items.append(next_item(client))
+    assert any(isinstance(i, Received) and i.message == Shutdown() for i in items), items
 
 
 def test_close_during_a_hanging_name_lookup_returns_with_the_thread_ended(

@@ -59,6 +59,9 @@ IOV_BATCH = 512
 SEND_STALL_TIMEOUT_S = 60.0
 #: After one socket closes cleanly, how long the others may still deliver what they hold.
 CLOSE_GRACE_S = 0.5
+#: ... and how long stream 0 may, while it is open: it carries SHUTDOWN and ERROR, and its EOF
+#: comes after them, but a retransmission or two over a WAN can hold it back past 0.5 s.
+STREAM_0_CLOSE_GRACE_S = 5.0
 
 
 @dataclass
@@ -215,6 +218,8 @@ class ConnectionGroup:
         self._ended = anyio.Event()
         #: Set by the first clean close (or by the end): the group is going away.
         self._closing = anyio.Event()
+        #: Set when stream 0 reached EOF (or by the end): nothing more can come on it.
+        self._stream_0_done = anyio.Event()
         self._closed_streams: set[int] = set()
         self._reason = ""
         self._violation: ProtocolError | None = None
@@ -312,6 +317,8 @@ class ConnectionGroup:
                 # socket's EOF can overtake frames the others still hold: let them deliver.
                 with anyio.move_on_after(CLOSE_GRACE_S):
                     await self._ended.wait()
+                with anyio.move_on_after(STREAM_0_CLOSE_GRACE_S - CLOSE_GRACE_S):
+                    await self._stream_0_done.wait()
                 self._end("closed")
                 tasks.cancel_scope.cancel()
         finally:
@@ -352,10 +359,13 @@ class ConnectionGroup:
             self._reason = self._reason or reason
             self._ended.set()
             self._closing.set()
+            self._stream_0_done.set()
 
     def _closed_cleanly(self, stream: _Stream, reason: str) -> None:
         """One socket reached EOF: the group ends once all have, or after the close grace."""
         self._closed_streams.add(stream.index)
+        if stream.index == 0:
+            self._stream_0_done.set()
         self._reason = self._reason or reason
         if len(self._closed_streams) == len(self._streams):
             self._end(reason)
