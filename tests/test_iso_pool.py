@@ -283,7 +283,7 @@ def test_a_shared_memory_shortage_refuses_the_job_and_the_pool_goes_on(
     assert relative_gap(got, SCALAR_ISO_SOLVER.polar_flatten(matrix, 4, 4)) <= 1e-5
 
 
-@pytest.mark.parametrize("errno_value", [errno.EINVAL, errno.EOPNOTSUPP])
+@pytest.mark.parametrize("errno_value", [errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS])
 def test_a_file_system_that_cannot_reserve_stages_unreserved(
     pool: IsoWorkerPool, monkeypatch: pytest.MonkeyPatch, errno_value: int
 ) -> None:

@@ -664,6 +664,7 @@ class Learner:
         """
         with self._one_caller():
             self._usable()
+            tokens = _checked_tokens(tokens)  # before any collective: a retry meets the same one
             if self._local_step % _OWNERSHIP_CHECK_STEPS == 0:  # a module walk: not every step
                 self._check_model_on_every_rank()
             if self.budget_reached:
@@ -676,7 +677,7 @@ class Learner:
                     "training is over; call finish() to wait for the syncer's SHUTDOWN, or "
                     "close()"
                 )
-            total = self._link.sum_tokens(_checked_tokens(tokens))
+            total = self._link.sum_tokens(tokens)
             self._turn(lambda session: session.record_step(total))
             self._local_step += 1
             self._tokens += total
@@ -1002,12 +1003,13 @@ class Learner:
 
     def _check_model_on_every_rank(self) -> None:
         """``_check_model`` on each rank, then every rank stops if any rank's failed: under
-        torchrun one rank's model can change alone (a rank-0-only ``load_state_dict``), and a
-        rank raising alone would leave the others waiting in the step's collectives."""
-        problem: Exception | None = None
+        torchrun one rank's model can change alone (``load_state_dict(..., assign=True)`` on
+        rank 0 only), and a rank raising alone would leave the others waiting in the step's
+        collectives."""
+        problem: BaseException | None = None
         try:
             self._check_model()
-        except Exception as exc:  # every rank hears of it before this one raises it
+        except BaseException as exc:  # every rank hears of it before this one raises it
             problem = exc
         failed = self._link.failed_ranks(problem is not None)
         if problem is not None:

@@ -188,9 +188,10 @@ class Layout:
 
     @classmethod
     def from_json(cls, text: str) -> Layout:
-        """Read a layout file's text as strict RFC 8259 JSON: a repeated key and the
-        ``NaN``/``Infinity`` tokens Python's reader allows are refused (``ValueError``), so
-        that every reader of the file sees the same document."""
+        """Read a layout file's text as JSON without Python's extensions to RFC 8259: a
+        repeated key and the ``NaN``/``Infinity`` tokens are refused (``ValueError``), so that
+        every reader of the file sees the same document. (Python's own limits remain: an
+        integer of over 4,300 digits or very deep nesting is refused too.)"""
         return cls.from_json_dict(
             json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_not_json)
         )

@@ -76,8 +76,8 @@ CLOSE_MARGIN_S: Final = 5.0
 #: Seconds the workers get to import torch and report ready (a cold start on a busy machine).
 DEFAULT_STARTUP_DEADLINE_S: Final = 120.0
 
-#: posix_fallocate's answers for "this file system cannot reserve", not "no room".
-_CANNOT_RESERVE: Final = frozenset({errno.EINVAL, errno.EOPNOTSUPP})
+#: posix_fallocate's answers for "this file system or kernel cannot reserve", not "no room".
+_CANNOT_RESERVE: Final = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS})
 
 ENV_WORKERS: Final = "YETO_ISO_WORKERS"
 ENV_THREADS: Final = "YETO_ISO_THREADS"
@@ -287,7 +287,7 @@ class IsoJob:
             try:
                 os.posix_fallocate(descriptor, 0, block.size)
             except OSError as exc:
-                # A file system that cannot reserve (EINVAL, EOPNOTSUPP) goes on unreserved,
+                # A file system that cannot reserve (EINVAL, EOPNOTSUPP, ENOSYS) goes unreserved,
                 # as on a platform without the call; a real shortage is still refused.
                 if exc.errno not in _CANNOT_RESERVE:
                     raise
