@@ -966,6 +966,10 @@ def test_a_redialed_group_that_hears_nothing_is_given_up_at_the_reconnect_deadli
     failure = items[-1]
     assert isinstance(failure, ClientFailed)
     assert "could not reconnect within 2 s" in str(failure.error)
+    # Not "is yeto-sync running there?": something accepts; a yeto-sync restarted without
+    # --resume waits for an INIT that a learner that already trained never sends again.
+    assert "accepted the redialed connections but sent nothing" in str(failure.error)
+    assert "--resume" in str(failure.error) and "running there" not in str(failure.error)
     silent.close()
 
 

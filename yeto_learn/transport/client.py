@@ -70,6 +70,8 @@ DIAL_TIMEOUT_S = 10.0
 DIAL_FLOOR_S = 0.25
 #: Groups lost before the syncer sent a byte whose upload still counts as progress, in a row.
 MAX_UNHEARD_LOSSES = 3
+#: Why a redialed group that the syncer never spoke on was dropped.
+SILENT_REDIAL = "the syncer sent nothing on the redialed group"
 #: How long ``close`` lets queued frames drain before it cuts the sockets.
 CLOSE_FLUSH_S = 2.0
 #: The inbox's allowance beyond two of the largest fragment (see :func:`default_inbox_cap`).
@@ -150,6 +152,8 @@ class SyncerClient:
         self.generations: list[int] = []
         #: Why the last dial failed or the last group ended.
         self.last_error = ""
+        #: The epoch of a redialed group whose "reconnected" line waits for its first frame.
+        self._unannounced_redial: int | None = None
         #: Each item with the bytes it holds (0 for anything but a syncer's message).
         self._inbox: queue.SimpleQueue[tuple[InboxItem, int]] = queue.SimpleQueue()
         self._inbox_cap = config.inbox_cap_bytes or default_inbox_cap(limits)
@@ -414,6 +418,16 @@ class SyncerClient:
                 f"lost the syncer at {cfg.address} and could not reconnect within "
                 f"{cfg.reconnect_timeout:g} s"
             )
+            if self.last_error == SILENT_REDIAL:
+                # Something accepts there: "is yeto-sync running" would send the user to
+                # look for a syncer that is running.
+                return SyncerUnreachable(
+                    f"{what}: the syncer accepted the redialed connections but sent nothing. "
+                    "A yeto-sync restarted without --resume waits for learner 0's initial "
+                    "model, which a learner that already trained does not send again: restart "
+                    "it with --resume, or restart the learners with it; a hung yeto-sync "
+                    "looks the same"
+                )
         return SyncerUnreachable(
             f"{what} (last error: {self.last_error or 'none'}); is yeto-sync running there?"
         )
@@ -481,12 +495,9 @@ class SyncerClient:
         self._epoch += 1
         epoch = self._epoch
         self._group = group
-        if self._ever_served:  # before GroupUp: whoever sees the group up finds the line
-            _log.warning(
-                "reconnected to the syncer at %s (generation %d)",
-                self.config.address,
-                self.generations[-1],
-            )
+        # Said at the syncer's first whole frame, not at the connect: a kernel accepts for a
+        # hung syncer, or for a new one that will never send this learner anything.
+        self._unannounced_redial = epoch if self._ever_served else None
         self._post(GroupUp(epoch, self.generations[-1], self.config.num_streams))
         self._dispatch_outbox()  # anything queued meanwhile belongs to an older epoch
         violation: ProtocolError | None = None
@@ -521,7 +532,7 @@ class SyncerClient:
             seen = group.bytes_received
             await anyio.sleep(self.config.reconnect_timeout)
         if not group.received_any:
-            group.stop("the syncer sent nothing on the redialed group", flush=False)
+            group.stop(SILENT_REDIAL, flush=False)
 
     async def _heartbeats(self, group: ConnectionGroup) -> None:
         assert self._stop is not None
@@ -541,6 +552,13 @@ class SyncerClient:
         group.stop("closed by the learner", flush=False)
 
     def _deliver(self, epoch: int, message: AnyMessage) -> None:
+        if self._unannounced_redial == epoch:
+            self._unannounced_redial = None
+            _log.warning(
+                "reconnected to the syncer at %s (generation %d)",
+                self.config.address,
+                self.generations[-1],
+            )
         self._post(Received(epoch, message), _held_bytes(message))
         if isinstance(message, ErrorMessage | Shutdown):
             # ERROR is fatal and SHUTDOWN completes the run: neither is followed by a redial.
