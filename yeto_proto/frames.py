@@ -21,6 +21,7 @@ from .constants import (
 )
 from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from .hello_reader import HelloReading
+from .hello_writer import write_hello
 from .identity import sign_hello, verify_hello
 from .limits import Limits
 from .messages import (
@@ -48,7 +49,6 @@ from .schema import (
     DataHelloPayload,
     FinalAckPayload,
     FinalManifestPayload,
-    HelloPayload,
 )
 
 Buffers = list[bytes | memoryview]
@@ -81,37 +81,10 @@ def header(frame_type: FrameType, payload_len: int) -> bytes:
     return HEADER_STRUCT.pack(FRAME_MAGIC, frame_type, payload_len)
 
 
-def _hello_body(message: Hello) -> bytes:
-    fragments = [
-        {
-            "merge_mode": int(f.merge_mode),
-            "num_tensors": len(f.numels),
-            "numels": f.numels,
-            "matrix_shapes": [{"rows": r, "cols": c} for r, c in f.matrix_shapes] or None,
-        }
-        for f in message.layout.fragments
-    ]
-    body: bytes = HelloPayload.build(
-        {
-            "protocol_version": PROTOCOL_VERSION,
-            "learner_id": message.learner_id,
-            "connection_generation": message.generation,
-            "dtype": int(message.dtype),
-            "num_fragments": len(fragments),
-            "fragments": fragments,
-            "layout_fingerprint": message.layout_fingerprint,
-            "session_contract_hash": message.session_contract,
-            "syncer_profile_hash": message.profile_hash,
-            "num_streams": message.num_streams,
-        }
-    )
-    return body
-
-
 def _small_payload(message: AnyMessage, hello_key: bytes | None) -> bytes:
     match message:
         case Hello():
-            body = _hello_body(message)
+            body = write_hello(message)
             return sign_hello(hello_key, body) if hello_key is not None else body
         case DataHello():
             built: bytes = DataHelloPayload.build(

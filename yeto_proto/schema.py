@@ -5,8 +5,9 @@ Fixed-width parts are plain ``FormatField`` structs, so :func:`struct_of` turns 
 every conformance vector. Tensor bytes are declared ``GreedyBytes`` and never parsed element by
 element: the decoder slices a memoryview there instead. Validators that carry an
 :class:`~yeto_proto.errors.ErrorCode` are :class:`Require` nodes, placed before anything whose
-size they bound. HELLO's fragment list is read by :mod:`yeto_proto.hello_reader` with ``struct``
-(a 16 MiB layout is too slow here); ``tests/test_hello_reader.py`` holds it to ``HelloPayload``.
+size they bound. HELLO's fragment list is read by :mod:`yeto_proto.hello_reader` and written by
+:mod:`yeto_proto.hello_writer` with ``struct`` (a 16 MiB layout is too slow here);
+``tests/test_hello_reader.py`` and ``tests/test_hello_writer.py`` hold them to ``HelloPayload``.
 """
 
 from __future__ import annotations
