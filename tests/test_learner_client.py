@@ -336,6 +336,33 @@ def test_losing_a_working_group_and_getting_back_are_logged(
     second.close()
 
 
+def test_a_redial_lost_inside_its_first_striped_message_was_still_a_reconnect(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    # One CHUNK slice makes the group a working one (the deadline and backoff restart), but
+    # the line waited for a whole message: the log read "lost … redialing" twice in a row.
+    caplog.set_level(logging.WARNING, logger="yeto_learn")
+    client, first = open_group(make_client, syncer, 1, heartbeat_interval=60)
+    first.control.send(PullReq(fragment_id=0, global_step=1, round_attempt=0))
+    assert isinstance(next_item(client), Received)
+    first.close()
+    assert isinstance(next_item(client), GroupLost)
+    second = syncer.accept_group(1)
+    assert isinstance(next_item(client), GroupUp)
+    inner = encode_bytes(BcastFragment(0, 1, np.zeros(5000, "<f4").view(np.uint8).data))
+    second.data[0].send(Chunk(0, len(inner), 0, memoryview(inner[:4096])))
+    time.sleep(0.3)
+    second.close()
+    assert isinstance(next_item(client), GroupLost)
+    address = f"127.0.0.1:{syncer.port}"
+    expected = [f"lost the syncer at {address}", f"reconnected to the syncer at {address}",
+                f"lost the syncer at {address}"]  # fmt: skip
+    deadline = time.monotonic() + 5  # the loss is logged after GroupLost is posted
+    while (lines := [r.getMessage().split(" (")[0] for r in caplog.records]) != expected:
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.05)
+
+
 def test_messages_queued_behind_a_stuck_frame_come_back_unsent_when_the_group_dies(
     syncer: ScriptedSyncer, make_client: list[SyncerClient]
 ) -> None:

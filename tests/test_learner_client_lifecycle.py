@@ -997,12 +997,16 @@ def test_a_redialed_group_whose_syncer_hangs_inside_its_first_frame_is_given_up(
 ) -> None:
     # A first frame kept the group only while its bytes kept coming: a syncer that hung inside
     # it (its kernel still taking heartbeats) left the learner training unsynced for good.
-    client = lost_a_working_group(make_client, syncer, reconnect_timeout=1)
+    # 2 s: the redial (after 1 s) must come before the deadline for its bytes to be seen.
+    client = lost_a_working_group(make_client, syncer, reconnect_timeout=2)
     second = syncer.accept_group(0)
     frame = encode_bytes(BcastFragment(0, 1, np.zeros(5000, "<f4").view(np.uint8).data))
     second.control.sock.sendall(frame[:100])  # and then nothing
     items = items_within(client, 8, until=lambda item: isinstance(item, ClientFailed))
     assert isinstance(items[-1], ClientFailed), items
+    # It spoke, then stopped: not the silence of a syncer restarted without --resume.
+    assert "stopped inside its first frame" in str(items[-1].error)
+    assert "--resume" not in str(items[-1].error)
     second.close()
 
 

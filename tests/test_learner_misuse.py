@@ -84,6 +84,16 @@ def test_step_needs_a_token_count() -> None:
         Learner.step(object.__new__(Learner))  # type: ignore[call-arg]
 
 
+def test_a_token_count_beyond_int64_is_refused_under_torchrun_before_any_collective() -> None:
+    # The ranks sum their counts as torch int64: rank-local, the conversion raised inside the
+    # collective's setup and left the other ranks waiting in the all-reduce.
+    top = (1 << 64) - 1
+    assert learner_module._checked_tokens(top) == top
+    assert learner_module._checked_tokens((1 << 63) - 1, 2) == (1 << 63) - 1
+    with pytest.raises(ValueError, match=r"0\.\.2\^63-1 under torchrun"):
+        learner_module._checked_tokens(1 << 63, 2)
+
+
 def test_close_from_another_thread_ends_a_waiting_finish(tmp_path: Path) -> None:
     failures: list[BaseException] = []
 
@@ -687,7 +697,7 @@ def test_a_model_changed_on_one_rank_stops_every_rank_in_that_step(
     assert changed and changed.group(1) == "LearnerError", outputs
     assert "parameter 'weight' was replaced in the model" in changed.group(3), outputs
     assert other and other.group(1) == "LearnerError", outputs
-    assert f"the model of rank {changed_rank} of this learner changed" in other.group(3)
+    assert f"the model check failed on rank {changed_rank} of this learner" in other.group(3)
     assert float(other.group(2)) < 4.0, outputs  # not after the changed rank's 6 s
 
 

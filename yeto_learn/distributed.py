@@ -172,7 +172,10 @@ class TorchDistributedLink:
     def sum_tokens(self, tokens: int) -> int:
         total = torch.tensor([tokens], dtype=torch.int64, device=self.device)
         self._dist.all_reduce(total, op=self._dist.ReduceOp.SUM, group=self._group)
-        return int(total.item())
+        summed = int(total.item())
+        if summed < 0:  # wrapped past 2^63 - 1: every rank sees the same sum and raises
+            raise ValueError("the ranks' token counts of this step sum past 2^63-1")
+        return summed
 
     def failed_ranks(self, failed: bool) -> list[int]:
         """The ranks of the group that report ``failed``, on every rank: a check that one

@@ -67,7 +67,7 @@ from yeto_proto import (
     WireDtype,
 )
 from yeto_proto.checkpoint import atomic_replace, write_bytes_atomically
-from yeto_proto.constants import MAX_STREAMS, U32_MAX, U64_MAX
+from yeto_proto.constants import I64_MAX, MAX_STREAMS, U32_MAX, U64_MAX
 from yeto_proto.errors import CheckpointError, ErrorCode, LocalProtocolError
 
 from .artifact_files import LAYOUT_FILE, RUN_ID_FILE, STATE_FILE, SUMMARY_FILE
@@ -664,7 +664,9 @@ class Learner:
         """
         with self._one_caller():
             self._usable()
-            tokens = _checked_tokens(tokens)  # before any collective: a retry meets the same one
+            # Checked before any collective: a rank that raises here alone and retries meets
+            # the others in the same collective.
+            tokens = _checked_tokens(tokens, self._link.world_size)
             if self._local_step % _OWNERSHIP_CHECK_STEPS == 0:  # a module walk: not every step
                 self._check_model_on_every_rank()
             if self.budget_reached:
@@ -1006,19 +1008,19 @@ class Learner:
         torchrun one rank's model can change alone (``load_state_dict(..., assign=True)`` on
         rank 0 only), and a rank raising alone would leave the others waiting in the step's
         collectives."""
-        problem: BaseException | None = None
+        problem: Exception | None = None
         try:
             self._check_model()
-        except BaseException as exc:  # every rank hears of it before this one raises it
+        except Exception as exc:  # every rank hears of it before this one raises it
             problem = exc
         failed = self._link.failed_ranks(problem is not None)
         if problem is not None:
             raise problem
         if failed:
             raise LearnerError(
-                f"the model of rank{'s' if len(failed) > 1 else ''} "
-                f"{', '.join(map(str, failed))} of this learner changed after the Learner was "
-                "built (see that rank's error): every rank stops with it"
+                f"the model check failed on rank{'s' if len(failed) > 1 else ''} "
+                f"{', '.join(map(str, failed))} of this learner (see that rank's error: a "
+                "parameter replaced after the Learner was built, say): every rank stops with it"
             )
 
     def _owned(
@@ -1318,7 +1320,7 @@ def _rank_zero_failure(text: str) -> LearnerError:
     return kind(text)
 
 
-def _checked_tokens(tokens: int) -> int:
+def _checked_tokens(tokens: int, world_size: int = 1) -> int:
     """A step's token count, refused before anything changes when it could not be one.
 
     Anything with an exact integer value is taken (numpy and 0-d torch integers included); a
@@ -1332,6 +1334,8 @@ def _checked_tokens(tokens: int) -> int:
         raise ValueError(f"tokens must be an integer, got {type(tokens).__name__}")
     if not 0 <= value <= U64_MAX:
         raise ValueError(f"tokens must be in 0..2^64-1, got {value}")
+    if world_size > 1 and value > I64_MAX:  # the ranks sum their counts as torch int64
+        raise ValueError(f"tokens must be in 0..2^63-1 under torchrun, got {value}")
     return value
 
 

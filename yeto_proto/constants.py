@@ -32,6 +32,8 @@ FINALIZATION_REVISION = 1
 #: The largest value of the wire's and the checkpoints' unsigned fields.
 U32_MAX = (1 << 32) - 1
 U64_MAX = (1 << 64) - 1
+#: The largest int64 (torch's integer for a token count summed over ranks).
+I64_MAX = (1 << 63) - 1
 
 DIGEST_SIZE = 32  # SHA-256 / HMAC-SHA256
 

@@ -1,8 +1,8 @@
 """The HELLO payload written with ``struct``, as ``schema.HelloPayload`` lays it out.
 
 construct builds a layout element by element (about 40 µs a fragment record: 52 s for the
-largest first frame, 1.29M minimal fragments); this writer packs each distinct fragment record
-once. ``tests/test_hello_writer.py`` holds it to ``HelloPayload.build`` byte for byte.
+largest first frame, 1.29M minimal fragments); this writer packs each fragment object once.
+``tests/test_hello_writer.py`` holds it to ``HelloPayload.build`` byte for byte.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ def write_hello(message: Hello) -> bytes:
             len(fragments),
         )
     ]
-    records: dict[WireFragment, bytes] = {}
+    records: dict[int, bytes] = {}  # by object: a read layout shares one per distinct record
     for index, fragment in enumerate(fragments):
-        record = records.get(fragment)
+        record = records.get(id(fragment))
         if record is None:
-            record = records[fragment] = _fragment_record(index, fragment)
+            record = records[id(fragment)] = _fragment_record(index, fragment)
         parts.append(record)
     parts += [message.layout_fingerprint, message.session_contract]
     if message.profile_hash is not None:

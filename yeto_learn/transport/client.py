@@ -72,6 +72,7 @@ DIAL_FLOOR_S = 0.25
 MAX_UNHEARD_LOSSES = 3
 #: Why a redialed group that the syncer never spoke on was dropped.
 SILENT_REDIAL = "the syncer sent nothing on the redialed group"
+_HUNG_REDIAL = "the syncer stopped inside its first frame on the redialed group"
 #: How long ``close`` lets queued frames drain before it cuts the sockets.
 CLOSE_FLUSH_S = 2.0
 #: The inbox's allowance beyond two of the largest fragment (see :func:`default_inbox_cap`).
@@ -380,6 +381,8 @@ class SyncerClient:
             if self._terminal or self._stop.is_set():
                 return
             if group.received_any:  # a working group: the backoff and the deadline restart
+                # Its first frame may have been a CHUNK slice of a message it never finished.
+                self._announce_redial(self._epoch)
                 self._ever_served = True
                 delays = 0
                 reconnect_by = time.monotonic() + cfg.reconnect_timeout
@@ -532,7 +535,7 @@ class SyncerClient:
             seen = group.bytes_received
             await anyio.sleep(self.config.reconnect_timeout)
         if not group.received_any:
-            group.stop(SILENT_REDIAL, flush=False)
+            group.stop(SILENT_REDIAL if not group.bytes_received else _HUNG_REDIAL, flush=False)
 
     async def _heartbeats(self, group: ConnectionGroup) -> None:
         assert self._stop is not None
@@ -551,7 +554,8 @@ class SyncerClient:
         await anyio.sleep(self.config.close_flush)
         group.stop("closed by the learner", flush=False)
 
-    def _deliver(self, epoch: int, message: AnyMessage) -> None:
+    def _announce_redial(self, epoch: int) -> None:
+        """Say once that redialed group ``epoch`` works, as the syncer's first frame shows."""
         if self._unannounced_redial == epoch:
             self._unannounced_redial = None
             _log.warning(
@@ -559,6 +563,9 @@ class SyncerClient:
                 self.config.address,
                 self.generations[-1],
             )
+
+    def _deliver(self, epoch: int, message: AnyMessage) -> None:
+        self._announce_redial(epoch)
         self._post(Received(epoch, message), _held_bytes(message))
         if isinstance(message, ErrorMessage | Shutdown):
             # ERROR is fatal and SHUTDOWN completes the run: neither is followed by a redial.
