@@ -309,17 +309,25 @@ def test_a_lost_group_is_redialed_after_a_second_with_a_fresh_generation(
     second.close()
 
 
-def test_losing_a_working_group_and_getting_back_are_logged(
-    syncer: ScriptedSyncer, make_client: list[SyncerClient], caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.WARNING, logger="yeto_learn")
-    client, first = open_group(make_client, syncer, 0, heartbeat_interval=60)
+def served_then_redialed(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient], num_streams: int
+) -> tuple[SyncerClient, ScriptedGroup]:
+    """A client whose first group served a PULL and was closed, and its redialed group (up)."""
+    client, first = open_group(make_client, syncer, num_streams, heartbeat_interval=60)
     first.control.send(PullReq(fragment_id=0, global_step=1, round_attempt=0))
     assert isinstance(next_item(client), Received)
     first.close()
     assert isinstance(next_item(client), GroupLost)
-    second = syncer.accept_group(0)
+    second = syncer.accept_group(num_streams)
     assert isinstance(next_item(client), GroupUp)
+    return client, second
+
+
+def test_losing_a_working_group_and_getting_back_are_logged(
+    syncer: ScriptedSyncer, make_client: list[SyncerClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="yeto_learn")
+    client, second = served_then_redialed(syncer, make_client, 0)
     messages = [record.getMessage() for record in caplog.records]
     assert any(m.startswith(f"lost the syncer at 127.0.0.1:{syncer.port}") for m in messages)
     # Not yet: the connect alone proves nothing (a hung syncer's kernel accepts too).
@@ -342,13 +350,7 @@ def test_a_redial_lost_inside_its_first_striped_message_was_still_a_reconnect(
     # One CHUNK slice makes the group a working one (the deadline and backoff restart), but
     # the line waited for a whole message: the log read "lost … redialing" twice in a row.
     caplog.set_level(logging.WARNING, logger="yeto_learn")
-    client, first = open_group(make_client, syncer, 1, heartbeat_interval=60)
-    first.control.send(PullReq(fragment_id=0, global_step=1, round_attempt=0))
-    assert isinstance(next_item(client), Received)
-    first.close()
-    assert isinstance(next_item(client), GroupLost)
-    second = syncer.accept_group(1)
-    assert isinstance(next_item(client), GroupUp)
+    client, second = served_then_redialed(syncer, make_client, 1)
     inner = encode_bytes(BcastFragment(0, 1, np.zeros(5000, "<f4").view(np.uint8).data))
     second.data[0].send(Chunk(0, len(inner), 0, memoryview(inner[:4096])))
     time.sleep(0.3)
