@@ -574,6 +574,24 @@ def test_export_into_a_missing_directory_is_ckpt_io(
     assert code == 2 and "CKPT_IO" in err and str(out) in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("length", [300, 245])
+def test_an_export_to_a_name_too_long_is_one_line_before_anything_is_written(
+    capsys: pytest.CaptureFixture[str],
+    files: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    length: int,
+) -> None:
+    """300 bytes: the checks of --out raised ENAMETOOLONG as a traceback. 245: the name fits,
+    its temporary sibling does not, so every write failed after the export was built."""
+    out = tmp_path / ("o" * (length - len(".pt")) + ".pt")
+    monkeypatch.setattr(checkpoint_cli, "atomic_replace", None)  # never reached
+    code, _, err = run(capsys, *export_argv(files, out))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "CKPT_IO: write: " in err and "too long" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in files.values())
+
+
 @pytest.mark.parametrize("name", ["model.safetensors", "model.pt"])
 def test_an_export_onto_a_directory_is_refused_before_anything_is_written(
     capsys: pytest.CaptureFixture[str],

@@ -159,6 +159,31 @@ def test_bad_startup_input_is_one_line_and_exit_2(flags: list[str], words: str) 
 
 
 @pytest.mark.parametrize(
+    ("flag", "length", "named"),
+    [
+        # ENAMETOOLONG from the marker's name (checkpoint + ".final"): it was a traceback.
+        ("--checkpoint-path", 250, "--checkpoint-path"),
+        # Fits, but the temporary name of every write does not: it served, then failed.
+        ("--checkpoint-path", 235, "--checkpoint-path"),
+        ("--checkpoint-path", 228, "the final marker of --checkpoint-path"),
+        ("--final-state", 235, "--final-state"),
+        ("--event-tape", 300, "--event-tape"),
+    ],
+)
+def test_an_output_name_too_long_is_refused_at_start(
+    tmp_path: Path, flag: str, length: int, named: str
+) -> None:
+    path = tmp_path / ("n" * length)
+    result = yeto_sync("--learners=1", "--total-steps=4", f"{flag}={path}")
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    shown = f"{path}.final" if "marker" in named else path
+    assert line.startswith(f"yeto-sync: error: {named} {shown}: "), line
+    assert "too long" in line.lower(), line
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
     ("first", "second", "names"),
     [
         # The tape was appended to the checkpoint it resumed from: unreadable after a crash,

@@ -38,6 +38,16 @@ def test_tensors_and_metadata_read_back_exactly(tmp_path: Path) -> None:
     assert length % 8 == 0  # the header is padded, so the data starts aligned
 
 
+def test_a_scalar_keeps_its_empty_shape(tmp_path: Path) -> None:
+    """A 0-d parameter (a CLIP-style ``logit_scale``) was written with shape [1]."""
+    path = tmp_path / "out.safetensors"
+    tensors = {"scale": np.array(2.5, np.float32), "weight": np.ones((2, 3), np.float32)}
+    write_safetensors(path, tensors, {})
+    loaded = load_file(str(path))
+    assert loaded["scale"].shape == () and float(loaded["scale"]) == 2.5
+    assert loaded["weight"].shape == (2, 3)
+
+
 def test_the_metadata_key_is_no_tensor_name(tmp_path: Path) -> None:
     path = tmp_path / "out.safetensors"
     with pytest.raises(ValueError, match="__metadata__"):

@@ -24,7 +24,9 @@ from yeto_proto.checkpoint import (
     LegacyIdentity,
     TrailerKind,
     atomic_replace,
+    check_name_length,
     export_tensors,
+    io_error,
     iso_backend_name,
     load_layout,
     marker_path,
@@ -295,11 +297,19 @@ def _export(args: argparse.Namespace, out: Path, check: Callable[[], None]) -> i
         raise CheckpointError(
             exc.code, f"{exc.reason} (file {args.path}, layout {args.layout})", section=exc.section
         ) from None
-    if not out.parent.is_dir():
-        raise CheckpointError(ErrorCode.CKPT_IO, f"no such directory (file {out})", section="write")
-    if out.is_dir() and not out.is_symlink():  # bad input, known before anything is written
-        # (a link to a folder is replaced by the rename, as any link at --out)
-        raise CheckpointError(ErrorCode.CKPT_IO, f"is a directory (file {out})", section="write")
+    try:
+        if not out.parent.is_dir():
+            raise CheckpointError(
+                ErrorCode.CKPT_IO, f"no such directory (file {out})", section="write"
+            )
+        if out.is_dir() and not out.is_symlink():  # bad input, known before anything is written
+            # (a link to a folder is replaced by the rename, as any link at --out)
+            raise CheckpointError(
+                ErrorCode.CKPT_IO, f"is a directory (file {out})", section="write"
+            )
+    except OSError as exc:  # e.g. a name too long, or a directory that cannot be searched
+        raise io_error(out, exc) from None
+    check_name_length(out)
     for name, given in (("checkpoint", args.path), ("layout", args.layout)):
         if _replaces(out, Path(given)):
             # Replaced by the export, the input would be gone for good.

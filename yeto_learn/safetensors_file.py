@@ -36,7 +36,8 @@ def write_safetensors(
     arrays = []
     offset = 0
     for name, tensor in tensors.items():
-        array = np.ascontiguousarray(tensor, dtype="<f4")  # a view when it is one already
+        # A view when it is one already; ascontiguousarray makes a 0-d tensor 1-d.
+        array = np.ascontiguousarray(tensor, dtype="<f4").reshape(np.shape(tensor))
         header[name] = {
             "dtype": "F32",
             "shape": list(array.shape),

@@ -31,6 +31,7 @@ import anyio.abc
 
 from yeto_proto.checkpoint import (
     Checkpoint,
+    name_length_problem,
     read_checkpoint,
     refusal_for_every_hello,
     remove_orphaned_temporaries,
@@ -312,15 +313,24 @@ def check_output_paths(config: SyncerConfig) -> None:
     for flag, path in outputs.items():
         if path is None:
             continue
-        if path.is_dir():
-            raise BadInput(f"{flag} {path} is a directory")
-        directory = path.parent
-        if not directory.is_dir():
-            raise BadInput(f"{flag} {path}: no directory {directory}")
+        try:
+            if path.is_dir():
+                raise BadInput(f"{flag} {path} is a directory")
+            directory = path.parent
+            if not directory.is_dir():
+                raise BadInput(f"{flag} {path}: no directory {directory}")
+        except OSError as exc:  # e.g. a name too long, or a directory that cannot be searched
+            raise BadInput(f"{flag} {path}: {exc.strerror or exc}") from None
         if not os.access(directory, os.W_OK | os.X_OK):
             raise BadInput(f"{flag} {path}: directory {directory} is not writable")
     if config.checkpoint_path is not None:
         outputs["the final marker of --checkpoint-path"] = marker_path(config.checkpoint_path)
+    # The checkpoint, its marker and the final state are replaced through a longer temporary
+    # name: one the directory cannot hold would fail the first write, rounds into the run.
+    for flag, path in outputs.items():
+        problem = None if path in (None, config.event_tape) else name_length_problem(path)
+        if problem is not None:
+            raise BadInput(f"{flag} {path}: {problem}")
     named = [(flag, path) for flag, path in outputs.items() if path is not None]
     for index, (flag, path) in enumerate(named):
         for other_flag, other in named[index + 1 :]:

@@ -33,6 +33,39 @@ def temporary_sibling(target: Path) -> Path:
     return target.with_name(f".{target.name}.{os.getpid()}.{token}.tmp")
 
 
+#: The longest file name most file systems take, used where the directory cannot say.
+_DEFAULT_NAME_MAX = 255
+
+
+def name_length_problem(target: str | os.PathLike[str]) -> str | None:
+    """Why the directory cannot hold the names replacing ``target`` uses, or ``None``.
+
+    Its temporary sibling is about 24 bytes longer than ``target``'s own name: a name that
+    fits could still fail every write, which a caller should find before it starts its work.
+    """
+    final = Path(target)
+    try:
+        limit = os.pathconf(final.parent, "PC_NAME_MAX")
+    except (OSError, ValueError):  # a missing directory, or a platform that cannot say
+        limit = _DEFAULT_NAME_MAX
+    longest = len(os.fsencode(temporary_sibling(final).name))
+    if longest <= limit:
+        return None
+    return (
+        f"name too long: writing it takes a temporary name of {longest} bytes,"
+        f" over the directory's limit of {limit}"
+    )
+
+
+def check_name_length(target: str | os.PathLike[str]) -> None:
+    """``CKPT_IO`` where :func:`name_length_problem` finds one."""
+    problem = name_length_problem(target)
+    if problem is not None:
+        raise CheckpointError(
+            ErrorCode.CKPT_IO, f"{problem} (file {os.fspath(target)})", section="write"
+        )
+
+
 #: A temporary file written to this recently may belong to a live writer whose process id
 #: this process cannot see (another container on the same volume).
 ORPHAN_MIN_AGE_S = 60.0
