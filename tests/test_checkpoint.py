@@ -408,6 +408,26 @@ def test_a_checkpoint_too_large_for_memory_is_a_coded_error(
     assert str(path) in str(caught.value)
 
 
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_file_emptied_after_its_size_was_taken_is_truncated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mapped: bool
+) -> None:
+    """mmap refuses an empty file with ValueError: mapped reads let it escape uncoded."""
+    path = tmp_path / "c.bin"
+    path.write_bytes(b"")
+    real_fstat = os.fstat
+
+    def stale_fstat(fd: int) -> os.stat_result:
+        fields = list(real_fstat(fd))
+        fields[6] = 4096  # st_size as it was before the file was emptied
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(reader_module.os, "fstat", stale_fstat)
+    with pytest.raises(CheckpointError) as caught:
+        read_checkpoint(path, mapped=mapped)
+    assert caught.value.code is ErrorCode.CKPT_TRUNCATED and str(path) in str(caught.value)
+
+
 def test_atomic_small_write_replaces_and_cleans_up(tmp_path: Path) -> None:
     target = tmp_path / "f"
     write_bytes_atomically(target, b"one")

@@ -55,9 +55,14 @@ class _Source:
         self.size = size
         self.position = 0
         # One read-only map for the whole file; array views keep it alive after close.
-        self.map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if mapped and size else None
-        if self.map is not None:
-            self.size = min(size, len(self.map))  # the file may have shrunk since fstat
+        self.map: mmap.mmap | None = None
+        if mapped and size:
+            try:
+                self.map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError:  # emptied since fstat: there is nothing left to read either
+                self.size = 0
+            else:
+                self.size = min(size, len(self.map))  # the file may have shrunk since fstat
 
     @property
     def remaining(self) -> int:
