@@ -35,12 +35,14 @@ from syncer_process import free_port
 from yeto_proto import (
     AnyMessage,
     BcastFragment,
+    ErrorCode,
     ErrorMessage,
     FinalAck,
     FinalFragment,
     FinalManifest,
     InitParams,
     MergeMode,
+    ProtocolError,
     PullReq,
     PushFragment,
     Shutdown,
@@ -75,6 +77,11 @@ CHECKPOINT_LOGGED = re.compile(r'msg="checkpoint written" .*global_step=(\d+)')
 
 
 # -- a learner whose pushes can be replayed ---------------------------------------------------
+def cut_inside_a_frame(error: ProtocolError) -> bool:
+    """The connection ended inside a frame: the syncer went away mid-send."""
+    return error.code is ErrorCode.CONNECTION_CLOSED_MID_FRAME
+
+
 def replay_delta(learner_id: int, fragment: int, base_version: int, local_step: int, n: int) -> F32:
     rng = np.random.default_rng([learner_id, fragment, base_version, local_step])
     return rng.normal(0.0, 0.01, n).astype(np.float32)
@@ -129,7 +136,14 @@ class ReplayLearner:
                     initial = None
                 self._serve(group, deadline)
                 return
-            except (OSError, GroupClosed):
+            except (OSError, GroupClosed, ProtocolError) as exc:
+                # A syncer SIGKILLed while it streams a BCAST ends the connection inside that
+                # frame: a lost connection, which a learner redials (yeto_learn's does), not
+                # the syncer breaking the protocol. Taken for one, it ended learner 0's thread
+                # at the kill, and the others waited, silent, on a resumed syncer that waits
+                # for all three learners before it starts.
+                if isinstance(exc, ProtocolError) and not cut_inside_a_frame(exc):
+                    raise
                 # Past the deadline a redial could only spin: every connect succeeds into a
                 # listener's backlog and every serve times out at once.
                 if not self.may_redial or time.monotonic() > deadline:
@@ -331,7 +345,10 @@ class LearnerThreads:
     def join(self, context: Callable[[], str]) -> None:
         for thread in self.threads:
             thread.join(RUN_TIMEOUT_S + 10)
-        assert not any(t.is_alive() for t in self.threads), f"a learner hung\n{context()}"
+        hung = [i for i, t in enumerate(self.threads) if t.is_alive()]
+        # The failures too: a learner that failed leaves the others waiting on a session that
+        # never starts, and the hang alone hid its error (learner 0's, twice).
+        assert not hung, f"learners {hung} hung; failures: {self.failures!r}\n{context()}"
         assert not self.failures, f"{self.failures!r}\n{context()}"
 
 
