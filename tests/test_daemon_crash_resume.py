@@ -70,8 +70,7 @@ BIG_LAYOUT = WireLayout(
 )
 RUN_TIMEOUT_S = 60.0
 #: A group that brings nothing for this long is given up and redialed, as a real learner's
-#: silence bound does: a learner left on a connection that never closes (twice in full suite
-#: runs, learner 0 never reached the resumed syncer) otherwise waited out the whole run.
+#: silence bound does, rather than waiting out the whole run on a connection that never closes.
 SILENCE_S = 15.0
 CHECKPOINT_LOGGED = re.compile(r'msg="checkpoint written" .*global_step=(\d+)')
 
