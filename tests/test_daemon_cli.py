@@ -12,6 +12,7 @@ import socket
 import struct
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import weakref
@@ -156,6 +157,28 @@ def test_bad_startup_input_is_one_line_and_exit_2(flags: list[str], words: str) 
     assert result.returncode == 2
     (line,) = result.stderr.splitlines()
     assert line.startswith("yeto-sync: error: ") and words in line
+
+
+def test_the_syncer_raises_its_soft_open_file_limit_to_the_hard_one() -> None:
+    """A shell's soft limit of 1,024 would cap the syncer's sockets far below the hard one."""
+    script = textwrap.dedent(
+        """
+        import resource
+        from yeto_sync.open_file_limit import raise_open_file_limit
+        resource.setrlimit(resource.RLIMIT_NOFILE, (100, 900))
+        print(raise_open_file_limit(), raise_open_file_limit(),
+              resource.getrlimit(resource.RLIMIT_NOFILE))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert result.stdout.split("\n")[0] == "(100, 900) None (900, 900)"
 
 
 @pytest.mark.parametrize(

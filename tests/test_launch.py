@@ -28,6 +28,7 @@ from syncer_process import REPO, child_env, running_syncer
 from yeto_learn import bench_closure, cli, launch, process_control
 from yeto_proto import Layout
 from yeto_proto.checkpoint import is_marked_final, read_checkpoint
+from yeto_sync import open_file_limit
 
 LAUNCH = [sys.executable, "-m", "yeto_learn.cli", "launch"]
 
@@ -412,6 +413,23 @@ def test_bad_numbers_are_refused_before_anything_is_created(
     assert cli.main(["launch", "--out", str(out), *flags]) == 2
     _one_error_line(capsys.readouterr().err, named)
     assert not no_run and not out.exists()
+
+
+def test_more_sockets_than_the_open_file_limit_allows_are_refused_up_front(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    no_run: list[Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """4 learners x (1 + 256 streams) need 1,028 sockets in the syncer: with a hard limit of
+    1,024 the run stalled for 60 s and blamed the learners; the syncer's log had the cause."""
+    monkeypatch.setattr(open_file_limit.resource, "getrlimit", lambda which: (1024, 1024))
+    out = tmp_path / "run"
+    assert cli.main(["launch", "--out", str(out), "--learners", "4", "--streams", "256"]) == 2
+    _one_error_line(capsys.readouterr().err, "--streams 256", "limit of 1024", "ulimit -Hn")
+    assert not no_run and not out.exists()
+    assert cli.main(["launch", "--out", str(out), "--learners", "4", "--streams", "200"]) == 0
+    assert no_run == [out.resolve()]
 
 
 def test_two_runs_in_one_second_get_folders_of_their_own(

@@ -37,6 +37,7 @@ from yeto_proto.checkpoint import write_bytes_atomically
 from yeto_proto.constants import MAX_STREAMS, U64_MAX
 from yeto_proto.errors import CheckpointError
 from yeto_sync.help_format import HelpFormatter
+from yeto_sync.open_file_limit import hard_open_file_limit, syncer_descriptors
 
 from .artifact_files import LAYOUT_FILE, STATE_FILE
 from .command_options import (
@@ -423,6 +424,15 @@ def _check_args(args: argparse.Namespace) -> str | None:
         )
     if not 0 <= args.streams <= MAX_STREAMS:
         return out_of_range("--streams", args.streams, 0, MAX_STREAMS)
+    needed, hard = syncer_descriptors(args.learners, args.streams), hard_open_file_limit()
+    if hard is not None and needed > hard:
+        # The syncer raises its soft limit to the hard one; beyond that, learners it has no
+        # descriptor for would wait until the run stalled, with the cause only in its log.
+        return (
+            f"--learners {args.learners} with --streams {args.streams} need about {needed} "
+            f"open files in the syncer, over this machine's limit of {hard} (ulimit -Hn); "
+            "use fewer --streams or learners, or raise the limit"
+        )
     if not 0.0 <= args.merge_alpha <= 1.0:
         return f"--merge-alpha must be in [0, 1], got {args.merge_alpha}"
     # 0 trains nothing: c_tokens 0 weighs every push at zero.

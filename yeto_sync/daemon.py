@@ -49,6 +49,7 @@ from .events import Exit
 from .help_format import HelpFormatter
 from .iso import IsoPoolSettings, IsoWorkerPool
 from .merge import MergeError
+from .open_file_limit import raise_open_file_limit
 from .stop_signals import Stopped, StopSignals, ignore_stop_signals
 from .transport import MonotonicClock
 from .transport.group import HELLO_STEP_BYTES, ConnectionGroups
@@ -619,6 +620,9 @@ async def _serve(
         event_tape_path=config.event_tape,
         mark_final_checkpoint=config.mark_final_checkpoint,
     )
+    raised = raise_open_file_limit()  # before the transport sizes its peer-socket cap
+    if raised is not None:
+        log("info", "open file limit raised", {"before": raised[0], "after": raised[1]})
     async with TcpTransport.serve(groups, clock, config.host, config.port, log=log) as transport:
         host, port = transport.address
         driver = Driver(
