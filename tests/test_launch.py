@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -28,7 +29,6 @@ from syncer_process import REPO, child_env, running_syncer
 from yeto_learn import bench_closure, cli, launch, process_control
 from yeto_proto import Layout
 from yeto_proto.checkpoint import is_marked_final, read_checkpoint
-from yeto_sync import open_file_limit
 
 LAUNCH = [sys.executable, "-m", "yeto_learn.cli", "launch"]
 
@@ -423,7 +423,7 @@ def test_more_sockets_than_the_open_file_limit_allows_are_refused_up_front(
 ) -> None:
     """4 learners x (1 + 256 streams) need 1,028 sockets in the syncer: with a hard limit of
     1,024 the run stalled for 60 s and blamed the learners; the syncer's log had the cause."""
-    monkeypatch.setattr(open_file_limit.resource, "getrlimit", lambda which: (1024, 1024))
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 1024))  # the syncer's too
     out = tmp_path / "run"
     assert cli.main(["launch", "--out", str(out), "--learners", "4", "--streams", "256"]) == 2
     _one_error_line(capsys.readouterr().err, "--streams 256", "limit of 1024", "ulimit -Hn")
@@ -672,6 +672,40 @@ def test_a_kept_checkpoint_comes_with_the_commands_that_use_it(tmp_path: Path) -
         "global_step 1\n"
     )
     assert f"`yeto checkpoint inspect '{spaced.checkpoint}'`" in launch._syncer_kept(spaced)
+
+
+def test_a_killed_syncers_unfinished_writes_are_removed_and_named(tmp_path: Path) -> None:
+    """A syncer killed while it wrote left its temporary file (as large as a checkpoint) for
+    good: a restarted yeto-sync removes such files, but nothing resumes a launch."""
+    paths = launch.Paths(tmp_path)
+    paths.syncer_dir.mkdir()
+    paths.checkpoint.write_bytes(b"kept")
+    ended = subprocess.Popen([sys.executable, "-c", "pass"], text=True)
+    ended.wait()
+    syncer = launch.Child(launch.SYNCER_NAME, ended, paths.syncer_log)
+    pid = ended.pid
+    unfinished = [
+        paths.syncer_dir / f".{paths.checkpoint.name}.{pid}.0123456789ab.tmp",
+        paths.syncer_dir / f".{paths.final_state.name}.{pid}.ba9876543210.tmp",
+    ]
+    someone_elses = paths.syncer_dir / f".{paths.checkpoint.name}.{pid + 1}.0123456789ab.tmp"
+    for path in [*unfinished, someone_elses]:
+        path.write_bytes(b"partial")
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], text=True)
+    try:
+        alive = launch.Child(launch.SYNCER_NAME, running, paths.syncer_log)
+        assert "removed" not in launch._syncer_kept(paths, [alive])  # still writing, maybe
+    finally:
+        running.kill()
+        running.wait()
+    said = launch._syncer_kept(paths, [syncer])
+    assert said.startswith(f"recovery checkpoint {paths.checkpoint}"), said
+    assert (
+        f"(the syncer's unfinished writes were removed: {unfinished[0].name}, {unfinished[1].name})"
+        in said
+    )
+    assert not any(path.exists() for path in unfinished)
+    assert someone_elses.exists() and paths.checkpoint.read_bytes() == b"kept"
 
 
 def test_a_stop_signal_is_met_at_a_safe_point_and_a_hangup_ignored_at_start_stays_ignored(

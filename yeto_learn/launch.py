@@ -27,13 +27,17 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from yeto_proto import Layout, MergeMode
-from yeto_proto.checkpoint import write_bytes_atomically
+from yeto_proto.checkpoint import (
+    remove_temporaries,
+    temporaries_written_by,
+    write_bytes_atomically,
+)
 from yeto_proto.constants import MAX_STREAMS, U64_MAX
 from yeto_proto.errors import CheckpointError
 from yeto_sync.help_format import HelpFormatter
@@ -76,6 +80,8 @@ EXIT_BAD_INPUT = 2
 #: Seconds a child gets to exit after SIGTERM before it is killed.
 STOP_GRACE_S = 5.0
 SYNCER_START_TIMEOUT_S = 30.0
+#: The syncer child's name in failure lines, and how the run finds it among its children.
+SYNCER_NAME = "the syncer"
 #: Seconds between status lines when stdout is not a terminal.
 PLAIN_REPORT_EVERY_S = 5.0
 #: Past this many times --steps local steps (their --max-steps), learners train on only while
@@ -471,7 +477,7 @@ def run(args: argparse.Namespace) -> int:
             elapsed = time.monotonic() - started
             say(
                 f"yeto launch: stopped by {stop} after {elapsed:.1f} s; every process ended; "
-                f"kept: {_syncer_kept(paths)}; {_artifacts_kept(paths, args.learners)}; "
+                f"kept: {_syncer_kept(paths, children)}; {_artifacts_kept(paths, args.learners)}; "
                 f"logs in {paths.out}"
             )
             return 128 + stop.signum
@@ -490,15 +496,35 @@ def _artifacts_kept(paths: Paths, learners: int) -> str:
     return f"learner artifacts written by {names} only"
 
 
-def _syncer_kept(paths: Paths) -> str:
-    """What the syncer said it kept (its last stderr line), or what is on disk."""
+def _syncer_kept(paths: Paths, children: Sequence[Child] = ()) -> str:
+    """What the syncer said it kept (its last stderr line), or what is on disk. ``children``:
+    the run's processes, once they ended (a killed syncer's unfinished writes are removed)."""
+    removed = _remove_unfinished_writes(paths, children)
     with contextlib.suppress(OSError):
         lines = [ln for ln in paths.syncer_log.read_text(encoding="utf-8").splitlines() if ln]
         if lines and lines[-1].startswith("yeto-sync: "):
-            return lines[-1].split("; ", 1)[-1] + _checkpoint_use(paths)
+            return lines[-1].split("; ", 1)[-1] + _checkpoint_use(paths) + removed
     if paths.checkpoint.exists():
-        return f"recovery checkpoint {paths.checkpoint}{_checkpoint_use(paths)}"
-    return "no checkpoint (none was written yet)"
+        return f"recovery checkpoint {paths.checkpoint}{_checkpoint_use(paths)}{removed}"
+    return f"no checkpoint (none was written yet){removed}"
+
+
+def _remove_unfinished_writes(paths: Paths, children: Sequence[Child]) -> str:
+    """Remove the temporary files of a syncer that was killed while it wrote (a restarted
+    ``yeto-sync`` would, but nothing resumes a launch), and say so (``""``: none)."""
+    syncer = next((c for c in children if c.name == SYNCER_NAME), None)
+    if syncer is None or syncer.process.poll() is None:
+        return ""
+    files = [
+        temporary
+        for target in (paths.checkpoint, paths.final_state)
+        for temporary in temporaries_written_by(target, syncer.process.pid)
+    ]
+    removed = [path.name for path, outcome in remove_temporaries(files) if isinstance(outcome, int)]
+    if not removed:
+        return ""
+    were = "writes were" if len(removed) > 1 else "write was"
+    return f" (the syncer's unfinished {were} removed: {', '.join(removed)})"
 
 
 def _checkpoint_use(paths: Paths) -> str:
@@ -565,7 +591,7 @@ def _launch(
         "--quorum-timeout-s", str(ROUND_TIMEOUT_S),
         "--final-ack-timeout-s", "120",
     ]  # fmt: skip
-    syncer = _spawn("the syncer", syncer_argv, paths.syncer_log, env)
+    syncer = _spawn(SYNCER_NAME, syncer_argv, paths.syncer_log, env)
     children.append(syncer)
     address = _await_listening(syncer, stops)
     if address is None:
@@ -611,19 +637,23 @@ def _launch(
         failure = _follow(learners, syncer, views, lines, display, stops)
     if failure is not None:
         stop_children(children)
-        print(f"yeto launch: failed: {failure}; kept: {_syncer_kept(paths)}", file=sys.stderr)
+        print(
+            f"yeto launch: failed: {failure}; kept: {_syncer_kept(paths, children)}",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     code = _wait(syncer.process, 30, stops)
     if code is None:
         stop_children(children)
         print(
             "yeto launch: failed: every learner finished but the syncer did not exit; "
-            f"kept: {_syncer_kept(paths)}",
+            f"kept: {_syncer_kept(paths, children)}",
             file=sys.stderr,
         )
         return EXIT_FAILED
     if code != 0:
-        print(f"yeto launch: {syncer.ended(code, 2)}", file=sys.stderr)
+        removed = _remove_unfinished_writes(paths, children)
+        print(f"yeto launch: {syncer.ended(code, 2)}{removed}", file=sys.stderr)
         return EXIT_FAILED
     return _summarize(views, paths, args, rounds, time.monotonic() - started)
 

@@ -14,6 +14,8 @@ from .atomic import (
     name_length_problem,
     orphaned_temporaries,
     remove_orphaned_temporaries,
+    remove_temporaries,
+    temporaries_written_by,
     write_bytes_atomically,
 )
 from .export import ExportedTensors, LegacyIdentity, export_tensors, load_layout, verify_identity
@@ -81,6 +83,8 @@ __all__ = [
     "name_length_problem",
     "orphaned_temporaries",
     "remove_orphaned_temporaries",
+    "remove_temporaries",
+    "temporaries_written_by",
     "parse_final_marker",
     "remove_final_marker",
     "read_checkpoint",

@@ -80,26 +80,47 @@ def orphaned_temporaries(target: Path, *, now: float | None = None) -> list[Path
     restarted with the same id). A file whose process id is alive otherwise is kept, whoever
     holds that id now, and so is one written in the last :data:`ORPHAN_MIN_AGE_S` seconds.
     """
-    hex_digits = 2 * _TEMPORARY_TOKEN_BYTES  # as temporary_sibling names them
-    pattern = re.compile(rf"\.{re.escape(target.name)}\.(\d+)\.[0-9a-f]{{{hex_digits}}}\.tmp")
     now = time.time() if now is None else now
     found = []
-    with contextlib.suppress(OSError):
-        for sibling in target.parent.iterdir():
-            match = pattern.fullmatch(sibling.name)
-            if match is None or _writer_may_live(int(match.group(1))):
-                continue
-            with contextlib.suppress(OSError):
-                if now - sibling.stat().st_mtime >= ORPHAN_MIN_AGE_S:
-                    found.append(sibling)
+    for sibling, pid in _temporaries(target):
+        if _writer_may_live(pid):
+            continue
+        with contextlib.suppress(OSError):
+            if now - sibling.stat().st_mtime >= ORPHAN_MIN_AGE_S:
+                found.append(sibling)
     return sorted(found)
 
 
+def temporaries_written_by(target: Path, pid: int) -> list[Path]:
+    """The :func:`temporary_sibling` files of ``target`` that process ``pid`` named: for a
+    caller that knows that process is gone (its parent, once it reaped it)."""
+    return sorted(sibling for sibling, writer in _temporaries(target) if writer == pid)
+
+
+def _temporaries(target: Path) -> Iterator[tuple[Path, int]]:
+    """Each :func:`temporary_sibling` file of ``target`` with its writer's process id."""
+    hex_digits = 2 * _TEMPORARY_TOKEN_BYTES  # as temporary_sibling names them
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(\d+)\.[0-9a-f]{{{hex_digits}}}\.tmp")
+    try:
+        siblings = list(target.parent.iterdir())
+    except OSError:
+        return
+    for sibling in siblings:
+        match = pattern.fullmatch(sibling.name)
+        if match is not None:
+            yield sibling, int(match.group(1))
+
+
 def remove_orphaned_temporaries(target: Path) -> list[tuple[Path, int | OSError]]:
-    """Remove :func:`orphaned_temporaries` of ``target``: each with its size in bytes, or the
-    error that kept it (for the caller to report: a leftover is as large as the file)."""
+    """Remove :func:`orphaned_temporaries` of ``target`` (see :func:`remove_temporaries`)."""
+    return remove_temporaries(orphaned_temporaries(target))
+
+
+def remove_temporaries(files: list[Path]) -> list[tuple[Path, int | OSError]]:
+    """Remove ``files``: each with its size in bytes, or the error that kept it (for the
+    caller to report: a leftover is as large as the file it was to become)."""
     removed: list[tuple[Path, int | OSError]] = []
-    for orphan in orphaned_temporaries(target):
+    for orphan in files:
         try:
             size = orphan.stat().st_size
             orphan.unlink()
