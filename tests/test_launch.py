@@ -849,9 +849,26 @@ def test_a_stop_signal_as_the_output_folder_is_made_stops_before_any_child(
     assert rest.strip().splitlines() == [
         "yeto launch: stopped by SIGTERM after 0.0 s; every process ended; kept: no checkpoint "
         "(none was written yet); no learner artifact was written (the run did not finalize); "
-        f"logs in {out}"
+        f"removed {out}"
     ]
-    assert sorted(p.name for p in out.iterdir()) == ["syncer"]
+    assert not out.exists()  # the same command runs again (a folder with files is refused)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_stop_before_any_learner_started_empties_a_given_folder_again(tmp_path: Path) -> None:
+    """Stopped after the syncer started, before the learners: --out kept the syncer's log, and
+    the same command was then refused ('exists and is not empty')."""
+    out = tmp_path / "run"
+    out.mkdir()
+    hook = ["after_in_parent", "1", str(int(signal.SIGTERM))]  # right after the syncer's fork
+    code, rest, errors, _ = _run_to_the_end(
+        command(ON_FORK, hook, "yeto", *SMALL_RUN, "--out", str(out))
+    )
+    assert code == 128 + signal.SIGTERM, errors
+    last = rest.strip().splitlines()[-1]
+    assert last.startswith("yeto launch: stopped by SIGTERM after "), last
+    assert last.endswith(f"{out} is empty again"), last
+    assert not any(out.iterdir())
 
 
 def test_the_demo_learner_reports_a_stop_torch_turned_into_its_own_error_and_no_later_one(

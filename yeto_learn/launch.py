@@ -475,10 +475,14 @@ def run(args: argparse.Namespace) -> int:
         except Stopped as stop:
             stop_children(children)
             elapsed = time.monotonic() - started
+            kept = f"{_syncer_kept(paths, children)}; {_artifacts_kept(paths, args.learners)}"
+            # Stopped before any learner started, the run left nothing but the syncer's start:
+            # undone, as when the syncer does not start, so the same command runs again.
+            learner_started = any(child.name != SYNCER_NAME for child in children)
+            where = f"logs in {paths.out}" if learner_started else _undo_start(paths)
             say(
                 f"yeto launch: stopped by {stop} after {elapsed:.1f} s; every process ended; "
-                f"kept: {_syncer_kept(paths, children)}; {_artifacts_kept(paths, args.learners)}; "
-                f"logs in {paths.out}"
+                f"kept: {kept}; {where}"
             )
             return 128 + stop.signum
         finally:
