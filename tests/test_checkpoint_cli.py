@@ -131,6 +131,47 @@ def test_inspect_reports_every_field_of_v3(
     assert info["final_marker"]["status"] == "absent"
 
 
+def damaged_copy(files: dict[str, Path], tmp_path: Path) -> Path:
+    """The V3 fixture with head.bias[1] (fragment 1's params[5]) NaN: a damaged file."""
+    checkpoint = v3_checkpoint(model_layout())
+    params = checkpoint.fragments[1].params.copy()
+    params[5] = np.nan
+    fragments = (checkpoint.fragments[0], replace(checkpoint.fragments[1], params=params))
+    path = tmp_path / "damaged.bin"
+    write_checkpoint(path, replace(checkpoint, fragments=fragments))
+    return path
+
+
+def test_inspect_reports_non_finite_values(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path
+) -> None:
+    """A damaged file (resume refuses it) looked sound to inspect."""
+    assert inspect_json(capsys, files["v3"])["all_finite"] is True
+    info = inspect_json(capsys, damaged_copy(files, tmp_path))
+    assert info["all_finite"] is False
+    assert [f["finite"] for f in info["fragments"]] == [True, False]
+    code, text, _ = run(capsys, "checkpoint", "inspect", damaged_copy(files, tmp_path))
+    assert code == 0 and "NON-FINITE VALUES" in text
+    rows = [line.split() for line in text.splitlines() if line.startswith("  ")]
+    assert rows[1] == ["0", "3", "12"] and rows[2] == ["1", "4", "6", "(non-finite", "values)"]
+
+
+def test_an_export_of_non_finite_values_warns(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "model.pt"
+    damaged = damaged_copy(files, tmp_path)
+    argv = ("checkpoint", "export", damaged, "--layout", files["layout"], "--out", out)
+    code, stdout, err = run(capsys, *argv)
+    assert code == 0 and "exported 3 tensors" in stdout
+    assert err.splitlines() == [
+        "yeto checkpoint export: warning: non-finite values in head.bias: the checkpoint is "
+        "damaged (a merge never lets one in); exported as they are"
+    ]
+    code, _, err = run(capsys, *export_argv(files, tmp_path / "sound.pt"))
+    assert code == 0 and err == ""
+
+
 def test_inspect_reads_legacy_formats(
     capsys: pytest.CaptureFixture[str], files: dict[str, Path]
 ) -> None:

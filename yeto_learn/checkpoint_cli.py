@@ -36,6 +36,7 @@ from yeto_proto.checkpoint import (
     scheduled_version,
 )
 from yeto_proto.constants import DIGEST_SIZE, IsoBackend
+from yeto_proto.dtypes import all_finite
 from yeto_proto.errors import CheckpointError, ErrorCode
 
 from . import output
@@ -145,6 +146,9 @@ def describe(path: Path) -> dict[str, Any]:
             "version": fragment.version,
             "numel": fragment.numel,
             "scheduled_version": scheduled_version(index, step, count),
+            # A merge never lets NaN or inf into the global state: a file holding one was
+            # damaged, and `yeto-sync --resume` refuses it.
+            "finite": all_finite(fragment.params) and all_finite(fragment.momentum),
         }
         for index, fragment in enumerate(checkpoint.fragments)
     ]
@@ -161,6 +165,7 @@ def describe(path: Path) -> dict[str, Any]:
         "total_numel": sum(checkpoint.numels),
         "fragments": fragments,
         "versions_match_schedule": all(f["version"] == f["scheduled_version"] for f in fragments),
+        "all_finite": all(f["finite"] for f in fragments),
         "ledger": [
             {"learner_id": e.learner_id, "merges": e.merges, "steps": e.steps, "tokens": e.tokens}
             for e in checkpoint.ledger
@@ -201,12 +206,15 @@ def render_text(info: dict[str, Any]) -> str:
         f"final marker  {marker['status']}: {marker['detail']}",
         f"fragments     {info['num_fragments']} ({info['total_numel']} values; versions "
         + ("match" if info["versions_match_schedule"] else "DO NOT match")
-        + " the schedule)",
+        + " the schedule"
+        + ("" if info["all_finite"] else "; NON-FINITE VALUES, damaged: resume refuses it")
+        + ")",
         "  id       version          numel",
     ]
     for fragment in info["fragments"]:
         flag = "" if fragment["version"] == fragment["scheduled_version"] else "  (schedule: "
         flag += f"{fragment['scheduled_version']})" if flag else ""
+        flag += "" if fragment["finite"] else "  (non-finite values)"
         lines.append(
             f"  {fragment['id']:<6} {fragment['version']:>9} {fragment['numel']:>14}{flag}"
         )
@@ -349,6 +357,17 @@ def _export(args: argparse.Namespace, out: Path, check: Callable[[], None]) -> i
         return EXIT_WRITE_FAILED
     total = sum(t.size for t in exported.tensors.values())
     output.out(f"exported {len(exported.tensors)} tensors ({total} values) to {out}")
+    damaged = [name for name, tensor in exported.tensors.items() if not all_finite(tensor)]
+    if damaged:
+        # Exported all the same (the user may want what is left), but never silently.
+        shown = ", ".join(damaged[:5]) + (
+            f" and {len(damaged) - 5} more" if len(damaged) > 5 else ""
+        )
+        print(
+            f"{args.command_prog}: warning: non-finite values in {shown}: the checkpoint is "
+            "damaged (a merge never lets one in); exported as they are",
+            file=sys.stderr,
+        )
     return 0
 
 
