@@ -203,3 +203,11 @@ def test_settings_accepted_but_rarely_meant_are_named() -> None:
         "leaves the model as it is"
         in SyncerConfig(learners=1, total_steps=1, outer_lr=0.0).doubtful_settings()[0]
     )
+    (unmarked,) = SyncerConfig(
+        learners=1, total_steps=1, mark_final_checkpoint=True
+    ).doubtful_settings()
+    assert unmarked.startswith("--mark-final-checkpoint without --checkpoint-path")
+    marked = SyncerConfig(
+        learners=1, total_steps=1, mark_final_checkpoint=True, checkpoint_path=Path("c")
+    )
+    assert marked.doubtful_settings() == []

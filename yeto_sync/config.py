@@ -142,6 +142,11 @@ class SyncerConfig:
             )
         if self.pipeline < 1:
             doubts.append(f"--pipeline {self.pipeline} runs as 1 (one round in flight)")
+        if self.mark_final_checkpoint and self.checkpoint_path is None:
+            doubts.append(
+                "--mark-final-checkpoint without --checkpoint-path: there is no checkpoint to "
+                "mark, so no final marker is written"
+            )
         return doubts
 
     def profile(self) -> SyncerProfile:
