@@ -335,9 +335,13 @@ def test_a_learner_past_its_cap_whose_syncer_stays_silent_says_it_stopped_traini
     assert learner.returncode == 1, errors
     last = errors.strip().splitlines()[-1]
     assert "did not complete finalization within 2 s" in last, last
-    assert last.endswith(
-        "(it had stopped training at its cap of 3 local steps, no round having advanced for 1 s)"
-    ), last
+    # It trains on past the cap while rounds advance: the line says where it stopped.
+    stopped = re.search(
+        r"\(it had stopped training after (\d+) local steps, past its cap of 3, "
+        r"no round having advanced for 1 s\)$",
+        last,
+    )
+    assert stopped is not None and int(stopped.group(1)) >= 3, last
 
 
 def test_launch_finishes_a_run_whose_rounds_fall_far_behind_their_pacing(tmp_path: Path) -> None:

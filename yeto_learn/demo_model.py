@@ -355,8 +355,8 @@ def _train(args: argparse.Namespace, rank: int, world: int, termination: _Termin
             text = _cap_reached(args, learner.stats.global_step)
         elif capped:
             text += (
-                f" (it had stopped training at its cap of {args.max_steps} local steps, no "
-                f"round having advanced for {args.stall_timeout:g} s)"
+                f" (it had stopped training after {steps} local steps, past its cap of "
+                f"{args.max_steps}, no round having advanced for {args.stall_timeout:g} s)"
             )
         print(f"learner {args.learner_id}: {text}", file=sys.stderr, flush=True)
         learner.close()
