@@ -7,12 +7,12 @@ import hashlib
 import io
 import json
 import os
+import resource
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 import weakref
@@ -41,6 +41,7 @@ from yeto_proto.checkpoint import (
 )
 from yeto_proto.constants import IsoBackend
 from yeto_sync import daemon as daemon_module
+from yeto_sync import open_file_limit
 from yeto_sync.config import SyncerConfig
 from yeto_sync.driver import KeyValueLog
 from yeto_sync.events import Exit
@@ -159,26 +160,36 @@ def test_bad_startup_input_is_one_line_and_exit_2(flags: list[str], words: str) 
     assert line.startswith("yeto-sync: error: ") and words in line
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_the_syncer_raises_its_soft_open_file_limit_to_the_hard_one() -> None:
     """A shell's soft limit of 1,024 would cap the syncer's sockets far below the hard one."""
-    script = textwrap.dedent(
-        """
-        import resource
-        from yeto_sync.open_file_limit import raise_open_file_limit
-        resource.setrlimit(resource.RLIMIT_NOFILE, (100, 900))
-        print(raise_open_file_limit(), raise_open_file_limit(),
-              resource.getrlimit(resource.RLIMIT_NOFILE))
-        """
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 64:
+        pytest.skip(f"a hard open-file limit of {hard} leaves nothing to raise to")
+    after = open_file_limit.UNBOUNDED_HARD_TARGET if hard == resource.RLIM_INFINITY else hard
+
+    def low_soft_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "yeto_sync", "--learners=1", "--total-steps=4", "--port=0"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        check=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        preexec_fn=low_soft_limit,
     )
-    assert result.stdout.split("\n")[0] == "(100, 900) None (900, 900)"
+    try:
+        assert daemon.stdout is not None
+        assert daemon.stdout.readline().startswith("yeto-sync listening on ")
+        limits = Path(f"/proc/{daemon.pid}/limits").read_text()
+    finally:
+        daemon.terminate()
+        _, errors = daemon.communicate(timeout=30)
+    assert f'msg="open file limit raised" before=64 after={after}' in errors, errors
+    (line,) = [row for row in limits.splitlines() if row.startswith("Max open files")]
+    assert line.split()[3] == str(after), line
 
 
 @pytest.mark.parametrize(
@@ -188,7 +199,7 @@ def test_the_syncer_raises_its_soft_open_file_limit_to_the_hard_one() -> None:
         ("--checkpoint-path", 250, "--checkpoint-path"),
         # Fits, but the temporary name of every write does not: it served, then failed.
         ("--checkpoint-path", 235, "--checkpoint-path"),
-        ("--checkpoint-path", 228, "the final marker of --checkpoint-path"),
+        ("--checkpoint-path", 228, "the final marker of --checkpoint-path"),  # when written
         ("--final-state", 235, "--final-state"),
         ("--event-tape", 300, "--event-tape"),
     ],
@@ -197,13 +208,28 @@ def test_an_output_name_too_long_is_refused_at_start(
     tmp_path: Path, flag: str, length: int, named: str
 ) -> None:
     path = tmp_path / ("n" * length)
-    result = yeto_sync("--learners=1", "--total-steps=4", f"{flag}={path}")
+    result = yeto_sync(
+        "--learners=1", "--total-steps=4", f"{flag}={path}", "--mark-final-checkpoint"
+    )
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.splitlines()
     shown = f"{path}.final" if "marker" in named else path
     assert line.startswith(f"yeto-sync: error: {named} {shown}: "), line
     assert "too long" in line.lower(), line
     assert not any(tmp_path.iterdir())
+
+
+def test_a_marker_that_is_never_written_does_not_bound_the_checkpoint_name(
+    tmp_path: Path,
+) -> None:
+    """Without --mark-final-checkpoint the marker is only ever removed: no temporary name."""
+    path = tmp_path / ("n" * 228)
+    daemon_module.check_output_paths(SyncerConfig(learners=1, total_steps=4, checkpoint_path=path))
+    marked = SyncerConfig(
+        learners=1, total_steps=4, checkpoint_path=path, mark_final_checkpoint=True
+    )
+    with pytest.raises(daemon_module.BadInput, match="the final marker of --checkpoint-path"):
+        daemon_module.check_output_paths(marked)
 
 
 @pytest.mark.parametrize(

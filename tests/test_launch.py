@@ -690,24 +690,25 @@ def test_a_killed_syncers_unfinished_writes_are_removed_and_named(tmp_path: Path
     pid = ended.pid
     unfinished = [
         paths.syncer_dir / f".{paths.checkpoint.name}.{pid}.0123456789ab.tmp",
+        paths.syncer_dir / f".{paths.checkpoint.name}.final.{pid}.00000000000a.tmp",  # marker
         paths.syncer_dir / f".{paths.final_state.name}.{pid}.ba9876543210.tmp",
     ]
-    someone_elses = paths.syncer_dir / f".{paths.checkpoint.name}.{pid + 1}.0123456789ab.tmp"
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], text=True)
+    # Named by a live process: never removed (the syncer alive could still be writing it).
+    someone_elses = paths.syncer_dir / f".{paths.checkpoint.name}.{running.pid}.0123456789ab.tmp"
     for path in [*unfinished, someone_elses]:
         path.write_bytes(b"partial")
-    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], text=True)
     try:
         alive = launch.Child(launch.SYNCER_NAME, running, paths.syncer_log)
-        assert "removed" not in launch._syncer_kept(paths, [alive])  # still writing, maybe
+        assert "removed" not in launch._syncer_kept(paths, [alive])
+        assert all(path.exists() for path in [*unfinished, someone_elses])
     finally:
         running.kill()
         running.wait()
     said = launch._syncer_kept(paths, [syncer])
     assert said.startswith(f"recovery checkpoint {paths.checkpoint}"), said
-    assert (
-        f"(the syncer's unfinished writes were removed: {unfinished[0].name}, {unfinished[1].name})"
-        in said
-    )
+    names = ", ".join(path.name for path in unfinished)
+    assert f"(the syncer's unfinished writes were removed: {names})" in said, said
     assert not any(path.exists() for path in unfinished)
     assert someone_elses.exists() and paths.checkpoint.read_bytes() == b"kept"
 

@@ -34,6 +34,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from yeto_proto import Layout, MergeMode
 from yeto_proto.checkpoint import (
+    marker_path,
     remove_temporaries,
     temporaries_written_by,
     write_bytes_atomically,
@@ -436,8 +437,9 @@ def _check_args(args: argparse.Namespace) -> str | None:
         # descriptor for would wait until the run stalled, with the cause only in its log.
         return (
             f"--learners {args.learners} with --streams {args.streams} need about {needed} "
-            f"open files in the syncer, over this machine's limit of {hard} (ulimit -Hn); "
-            "use fewer --streams or learners, or raise the limit"
+            f"open files in the syncer, over the hard open-file limit of {hard} this shell "
+            "passes on (ulimit -Hn); use fewer --streams or learners, or raise that limit "
+            "(limits.conf, or LimitNOFILE= in a systemd unit)"
         )
     if not 0.0 <= args.merge_alpha <= 1.0:
         return f"--merge-alpha must be in [0, 1], got {args.merge_alpha}"
@@ -519,9 +521,10 @@ def _remove_unfinished_writes(paths: Paths, children: Sequence[Child]) -> str:
     syncer = next((c for c in children if c.name == SYNCER_NAME), None)
     if syncer is None or syncer.process.poll() is None:
         return ""
+    targets = (paths.checkpoint, marker_path(paths.checkpoint), paths.final_state)
     files = [
         temporary
-        for target in (paths.checkpoint, paths.final_state)
+        for target in targets
         for temporary in temporaries_written_by(target, syncer.process.pid)
     ]
     removed = [path.name for path, outcome in remove_temporaries(files) if isinstance(outcome, int)]

@@ -326,10 +326,16 @@ def check_output_paths(config: SyncerConfig) -> None:
             raise BadInput(f"{flag} {path}: directory {directory} is not writable")
     if config.checkpoint_path is not None:
         outputs["the final marker of --checkpoint-path"] = marker_path(config.checkpoint_path)
-    # The checkpoint, its marker and the final state are replaced through a longer temporary
-    # name: one the directory cannot hold would fail the first write, rounds into the run.
-    for flag, path in outputs.items():
-        problem = None if path in (None, config.event_tape) else name_length_problem(path)
+    # The checkpoint, the final state and (when one is written) the marker are replaced
+    # through a longer temporary name: one the directory cannot hold would fail the first
+    # write, rounds into the run. (The checkpoint's own bound keeps its marker's name short.)
+    replaced = {"--checkpoint-path": config.checkpoint_path, "--final-state": config.final_state}
+    if config.mark_final_checkpoint:
+        replaced["the final marker of --checkpoint-path"] = outputs.get(
+            "the final marker of --checkpoint-path"
+        )
+    for flag, path in replaced.items():
+        problem = None if path is None else name_length_problem(path)
         if problem is not None:
             raise BadInput(f"{flag} {path}: {problem}")
     named = [(flag, path) for flag, path in outputs.items() if path is not None]
