@@ -348,7 +348,11 @@ def test_an_export_whose_message_cannot_be_written_is_one_line_and_exit_1(
 ) -> None:
     out = tmp_path / "model.safetensors"
     done = to_a_full_disk(*export_argv(files, out))
-    assert (done.returncode, done.stderr) == (1, f"yeto checkpoint export: {NO_SPACE}")
+    written = f" (the export itself was written: {out})\n"
+    assert (done.returncode, done.stderr) == (
+        1,
+        f"yeto checkpoint export: {NO_SPACE.rstrip()}{written}",
+    )
     assert out.is_file()  # the export itself was written; only its message was not
 
 

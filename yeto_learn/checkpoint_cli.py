@@ -356,7 +356,11 @@ def _export(args: argparse.Namespace, out: Path, check: Callable[[], None]) -> i
         print(f"{args.command_prog}: error: {exc}", file=sys.stderr)
         return EXIT_WRITE_FAILED
     total = sum(t.size for t in exported.tensors.values())
-    output.out(f"exported {len(exported.tensors)} tensors ({total} values) to {out}")
+    try:
+        output.out(f"exported {len(exported.tensors)} tensors ({total} values) to {out}")
+    except output.OutputFailed as exc:  # only the message was lost: say the export is whole
+        exc.reason += f" (the export itself was written: {out})"
+        raise
     damaged = [name for name, tensor in exported.tensors.items() if not all_finite(tensor)]
     if damaged:
         # Exported all the same (the user may want what is left), but never silently.
