@@ -332,6 +332,31 @@ def test_frozen_set_is_the_live_learners_at_the_cut() -> None:
     assert not [m for m in sim.sends_to(c.key) if isinstance(m, FinalManifest)]
 
 
+def test_a_learner_cut_off_at_the_cut_that_reconnects_gets_catch_up_but_not_the_cut() -> None:
+    sim = Sim(SyncerConfig(learners=2, total_steps=2, quorum=1, pipeline=1), LAYOUT)
+    a, b = sim.start(auto=False)
+    b.disconnect()
+    for _ in range(50):  # learner 0 runs every round alone
+        for message in a.unread():
+            a.receive(message)
+            if isinstance(message, PullReq):
+                sim.message(a.key, a.push_for(message))
+        if sim.coordinator.finalization is not None:
+            break
+        sim.advance(1.0)  # a grace period waiting for nobody
+    final = sim.coordinator.finalization
+    assert final is not None and final.frozen == {0}
+
+    fresh = b.connect()  # before learner 0 ACKs: the syncer is still there
+
+    sent = sim.sends_to(fresh)
+    assert [type(m) for m in sent] == [BcastFragment] * len(LAYOUT.fragments)
+    assert cut_sent_to(sim, fresh) == []
+    actions = ack(sim, a.key, 2)  # the frozen learner's ACK is all the syncer waits for
+    assert shutdowns_in(actions) == [a.key]
+    assert actions[-1] == Exit(0, "finalized at global step 2")
+
+
 def test_finalization_waits_for_rounds_in_flight() -> None:
     sim = Sim(SyncerConfig(learners=1, total_steps=2, pipeline=2), LAYOUT)
     (a,) = sim.start(auto=False)

@@ -77,6 +77,7 @@ def train(
     max_steps: int = 4000,
     on_step: Callable[[Learner, int], None] | None = None,
     fragments: int = 3,
+    finish_timeout: float = 60,
 ) -> Trained:
     model = regression_model(param_dtype)
     initial = eval_loss(model)
@@ -108,7 +109,7 @@ def train(
         if on_step is not None:
             on_step(learner, trained.steps)
         time.sleep(0.001)  # a step of a real model takes a while; keeps the CPU for the syncer
-    learner.finish(timeout=60)
+    learner.finish(timeout=finish_timeout)
     trained.eval_final = eval_loss(model)
     return trained
 
@@ -348,6 +349,7 @@ class SeverableProxy:
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
+        self.refuse_until = 0.0  # connections until this time.monotonic() are closed at once
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -356,6 +358,9 @@ class SeverableProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
+            if time.monotonic() < self.refuse_until:
+                client.close()
+                continue
             try:
                 server = socket.create_connection(self.upstream)
             except OSError:  # the syncer is gone: refuse this client too
@@ -399,29 +404,48 @@ def test_a_severed_learner_redials_with_a_new_generation_and_the_session_finishe
     tmp_path: Path,
 ) -> None:
     # Quorum 2 with a short quorum timeout: the round that captured the severed generation is
-    # retried with the members connected then, so the redialed learner must take part.
+    # retried with the members connected then, so the redialed learner must take part. Its
+    # first redial is refused, so it comes back only around that deadline; learner 0 waits for
+    # it (a slow learner), else it could run every round left alone meanwhile and the final
+    # cut would be taken without learner 1 (which is the next test).
     extra = ["--sync-interval-steps", "8", "--quorum", "2", "--quorum-timeout-s", "3"]
     with running_syncer(tmp_path / "syncer", learners=2, total_steps=18, extra=extra) as syncer:
         host, port = syncer.address.rsplit(":", 1)
         proxy = SeverableProxy((host, int(port)))
         severed: list[float] = []
+        pushes_at_sever: list[int] = []
+        learner_1: list[Learner] = []
 
         def sever_once(learner: Learner, step: int) -> None:
             if not severed and learner.stats.pushes >= 3:
+                learner_1.append(learner)
+                pushes_at_sever.append(learner.stats.pushes)
+                proxy.refuse_until = time.monotonic() + 2
                 assert proxy.sever() > 0
                 severed.append(time.monotonic())
+
+        def wait_for_learner_1(learner: Learner, step: int) -> None:
+            waited_until = time.monotonic() + 60
+            while severed and learner_1[0].stats.pushes <= pushes_at_sever[0]:
+                if time.monotonic() > waited_until:
+                    return  # the assertions below say what went wrong
+                time.sleep(0.02)
 
         results: dict[int, Trained] = {}
         errors: list[BaseException] = []
 
         def run(i: int, address: str, hook: Callable[[Learner, int], None] | None) -> None:
             try:
-                results[i] = train(address, i, 2, tmp_path / f"learner-{i}", on_step=hook)
+                # No step cap to speak of: learner 1 trains on while learner 0 waits for it.
+                trained = train(
+                    address, i, 2, tmp_path / f"learner-{i}", on_step=hook, max_steps=100_000
+                )
+                results[i] = trained
             except BaseException as exc:
                 errors.append(exc)
 
         threads = [
-            threading.Thread(target=run, args=(0, syncer.address, None)),
+            threading.Thread(target=run, args=(0, syncer.address, wait_for_learner_1)),
             threading.Thread(target=run, args=(1, proxy.address, sever_once)),
         ]
         for thread in threads:
@@ -430,7 +454,7 @@ def test_a_severed_learner_redials_with_a_new_generation_and_the_session_finishe
             thread.join(120)
         proxy.close()
         if errors:
-            raise errors[0]
+            raise AssertionError(f"syncer log:\n{syncer.log_tail(60)}") from errors[0]
         assert syncer.wait() == 0, syncer.log_tail()
     assert severed, "the learner never reached 3 rounds before the end"
     generations = results[1].learner.generations
@@ -443,6 +467,60 @@ def test_a_severed_learner_redials_with_a_new_generation_and_the_session_finishe
     checkpoint = read_checkpoint(syncer.checkpoint)
     for trained in results.values():
         assert_holds_checkpoint(trained.model, trained.learner.layout, checkpoint)
+
+
+def test_a_learner_cut_off_when_the_final_cut_is_taken_is_told_why_it_never_gets_it(
+    tmp_path: Path,
+) -> None:
+    # Learner 1 loses the syncer for good after a few rounds: learner 0 runs the rest alone
+    # (each round is retried with the members connected then) and the cut freezes only it.
+    extra = ["--sync-interval-steps", "8", "--quorum", "2", "--quorum-timeout-s", "2"]
+    with running_syncer(tmp_path / "syncer", learners=2, total_steps=12, extra=extra) as syncer:
+        host, port = syncer.address.rsplit(":", 1)
+        proxy = SeverableProxy((host, int(port)))
+        cut_off: list[Learner] = []
+
+        def cut_off_for_good(learner: Learner, step: int) -> None:
+            if not cut_off and learner.stats.pushes >= 3:
+                cut_off.append(learner)
+                proxy.refuse_until = float("inf")
+                assert proxy.sever() > 0
+
+        outcome: dict[int, Trained | BaseException] = {}
+
+        def run(i: int, address: str, hook: Callable[[Learner, int], None] | None) -> None:
+            try:
+                outcome[i] = train(
+                    address, i, 2, tmp_path / f"learner-{i}", on_step=hook,
+                    max_steps=3000, finish_timeout=5,
+                )  # fmt: skip
+            except BaseException as exc:
+                outcome[i] = exc
+
+        threads = [
+            threading.Thread(target=run, args=(0, syncer.address, None)),
+            threading.Thread(target=run, args=(1, proxy.address, cut_off_for_good)),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        proxy.close()
+        assert syncer.wait() == 0, syncer.log_tail()
+    assert cut_off, "learner 1 never reached 3 rounds"
+    cut_off[0].close()
+    survivor, excluded = outcome[0], outcome[1]
+    assert isinstance(survivor, Trained), survivor
+    assert_holds_checkpoint(
+        survivor.model, survivor.learner.layout, read_checkpoint(syncer.checkpoint)
+    )
+    tape = [json.loads(line) for line in syncer.tape.read_text().splitlines()]
+    assert [line["frozen_learners"] for line in tape if line.get("event") == "final_cut"] == [[0]]
+    assert isinstance(excluded, FinishTimeout), excluded
+    message = str(excluded)
+    assert "(final state missing)" in message
+    assert "this learner has been cut off from the syncer for the last" in message
+    assert "a final cut taken while it was cut off does not include it" in message
 
 
 def _committed_steps(tape: Path) -> list[int]:

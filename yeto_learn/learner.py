@@ -787,6 +787,7 @@ class Learner:
                         f"within {limit:g} s (final state "
                         f"{'missing' if self.final_global_step is None else 'applied'})"
                         + self._starved_pulls_note()
+                        + self._cut_off_note()
                     ),
                     finishing=True,
                     stop_when_stuck=stop_when_stuck,
@@ -890,6 +891,18 @@ class Learner:
         return (
             f"; the syncer still pulls fragments {starved}, which this learner cannot answer "
             f"without training: {advice}"
+        )
+
+    def _cut_off_note(self) -> str:
+        """Why a learner still redialing at the finish deadline may never get the cut."""
+        since = self._client.cut_off_since if self._client is not None else None
+        if since is None or self._client is None:
+            return ""
+        return (
+            f"; this learner has been cut off from the syncer for the last "
+            f"{time.monotonic() - since:.0f} s (last error: {self._client.last_error or 'none'}):"
+            " a final cut taken while it was cut off does not include it, and that syncer "
+            "finishes without it (its final checkpoint holds the final model)"
         )
 
     def _warn_of_starved_pulls(self) -> None:
