@@ -400,6 +400,37 @@ class SeverableProxy:
         self.sever()
 
 
+Hook = Callable[[Learner, int], None]
+
+
+def train_pair_through_proxy(
+    syncer_address: str,
+    proxy: SeverableProxy,
+    out: Path,
+    hooks: tuple[Hook | None, Hook | None],
+    **options: object,
+) -> dict[int, Trained | BaseException]:
+    """Learner 0 straight to the syncer, learner 1 through ``proxy``: each one's outcome."""
+    outcome: dict[int, Trained | BaseException] = {}
+
+    def run(i: int, address: str) -> None:
+        try:
+            outcome[i] = train(address, i, 2, out / f"learner-{i}", on_step=hooks[i], **options)  # type: ignore[arg-type]
+        except BaseException as exc:  # judged by the test
+            outcome[i] = exc
+
+    threads = [
+        threading.Thread(target=run, args=(0, syncer_address)),
+        threading.Thread(target=run, args=(1, proxy.address)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    proxy.close()
+    return outcome
+
+
 def test_a_severed_learner_redials_with_a_new_generation_and_the_session_finishes(
     tmp_path: Path,
 ) -> None:
@@ -431,30 +462,14 @@ def test_a_severed_learner_redials_with_a_new_generation_and_the_session_finishe
                     return  # the assertions below say what went wrong
                 time.sleep(0.02)
 
-        results: dict[int, Trained] = {}
-        errors: list[BaseException] = []
-
-        def run(i: int, address: str, hook: Callable[[Learner, int], None] | None) -> None:
-            try:
-                # No step cap to speak of: learner 1 trains on while learner 0 waits for it.
-                trained = train(
-                    address, i, 2, tmp_path / f"learner-{i}", on_step=hook, max_steps=100_000
-                )
-                results[i] = trained
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [
-            threading.Thread(target=run, args=(0, syncer.address, wait_for_learner_1)),
-            threading.Thread(target=run, args=(1, proxy.address, sever_once)),
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-        proxy.close()
-        if errors:
-            raise AssertionError(f"syncer log:\n{syncer.log_tail(60)}") from errors[0]
+        # No step cap to speak of: learner 1 trains on while learner 0 waits for it.
+        outcome = train_pair_through_proxy(
+            syncer.address, proxy, tmp_path, (wait_for_learner_1, sever_once), max_steps=100_000
+        )
+        for result in outcome.values():
+            if isinstance(result, BaseException):
+                raise AssertionError(f"syncer log:\n{syncer.log_tail(60)}") from result
+        results = {i: result for i, result in outcome.items() if isinstance(result, Trained)}
         assert syncer.wait() == 0, syncer.log_tail()
     assert severed, "the learner never reached 3 rounds before the end"
     generations = results[1].learner.generations
@@ -486,26 +501,10 @@ def test_a_learner_cut_off_when_the_final_cut_is_taken_is_told_why_it_never_gets
                 proxy.refuse_until = float("inf")
                 assert proxy.sever() > 0
 
-        outcome: dict[int, Trained | BaseException] = {}
-
-        def run(i: int, address: str, hook: Callable[[Learner, int], None] | None) -> None:
-            try:
-                outcome[i] = train(
-                    address, i, 2, tmp_path / f"learner-{i}", on_step=hook,
-                    max_steps=3000, finish_timeout=5,
-                )  # fmt: skip
-            except BaseException as exc:
-                outcome[i] = exc
-
-        threads = [
-            threading.Thread(target=run, args=(0, syncer.address, None)),
-            threading.Thread(target=run, args=(1, proxy.address, cut_off_for_good)),
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-        proxy.close()
+        outcome = train_pair_through_proxy(
+            syncer.address, proxy, tmp_path, (None, cut_off_for_good),
+            max_steps=3000, finish_timeout=5,
+        )  # fmt: skip
         assert syncer.wait() == 0, syncer.log_tail()
     assert cut_off, "learner 1 never reached 3 rounds"
     cut_off[0].close()
