@@ -355,15 +355,10 @@ def _export(args: argparse.Namespace, out: Path, check: Callable[[], None]) -> i
         # The input was fine: exit 1, not 2, so that a script can tell the two apart.
         print(f"{args.command_prog}: error: {exc}", file=sys.stderr)
         return EXIT_WRITE_FAILED
-    total = sum(t.size for t in exported.tensors.values())
-    try:
-        output.out(f"exported {len(exported.tensors)} tensors ({total} values) to {out}")
-    except output.OutputFailed as exc:  # only the message was lost: say the export is whole
-        exc.reason += f" (the export itself was written: {out})"
-        raise
     damaged = [name for name, tensor in exported.tensors.items() if not all_finite(tensor)]
     if damaged:
-        # Exported all the same (the user may want what is left), but never silently.
+        # Exported all the same (the user may want what is left), but never silently; said
+        # first, so that a stdout that cannot take the message does not hide it.
         shown = ", ".join(damaged[:5]) + (
             f" and {len(damaged) - 5} more" if len(damaged) > 5 else ""
         )
@@ -372,6 +367,12 @@ def _export(args: argparse.Namespace, out: Path, check: Callable[[], None]) -> i
             "damaged (a merge never lets one in); exported as they are",
             file=sys.stderr,
         )
+    total = sum(t.size for t in exported.tensors.values())
+    try:
+        output.out(f"exported {len(exported.tensors)} tensors ({total} values) to {out}")
+    except output.OutputFailed as exc:  # only the message was lost: say the export is whole
+        exc.reason += f" (the export itself was written: {out})"
+        raise
     return 0
 
 
