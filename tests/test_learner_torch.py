@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -408,14 +409,14 @@ def train_pair_through_proxy(
     proxy: SeverableProxy,
     out: Path,
     hooks: tuple[Hook | None, Hook | None],
-    **options: object,
+    options: tuple[dict[str, Any], dict[str, Any]] = ({}, {}),
 ) -> dict[int, Trained | BaseException]:
     """Learner 0 straight to the syncer, learner 1 through ``proxy``: each one's outcome."""
     outcome: dict[int, Trained | BaseException] = {}
 
     def run(i: int, address: str) -> None:
         try:
-            outcome[i] = train(address, i, 2, out / f"learner-{i}", on_step=hooks[i], **options)  # type: ignore[arg-type]
+            outcome[i] = train(address, i, 2, out / f"learner-{i}", on_step=hooks[i], **options[i])
         except BaseException as exc:  # judged by the test
             outcome[i] = exc
 
@@ -428,6 +429,7 @@ def train_pair_through_proxy(
     for thread in threads:
         thread.join(120)
     proxy.close()
+    assert set(outcome) == {0, 1}, f"a learner still runs after 120 s: {outcome}"
     return outcome
 
 
@@ -444,27 +446,27 @@ def test_a_severed_learner_redials_with_a_new_generation_and_the_session_finishe
         host, port = syncer.address.rsplit(":", 1)
         proxy = SeverableProxy((host, int(port)))
         severed: list[float] = []
-        pushes_at_sever: list[int] = []
         learner_1: list[Learner] = []
 
         def sever_once(learner: Learner, step: int) -> None:
             if not severed and learner.stats.pushes >= 3:
                 learner_1.append(learner)
-                pushes_at_sever.append(learner.stats.pushes)
                 proxy.refuse_until = time.monotonic() + 2
                 assert proxy.sever() > 0
                 severed.append(time.monotonic())
 
         def wait_for_learner_1(learner: Learner, step: int) -> None:
-            waited_until = time.monotonic() + 60
-            while severed and learner_1[0].stats.pushes <= pushes_at_sever[0]:
-                if time.monotonic() > waited_until:
-                    return  # the assertions below say what went wrong
+            """Hold learner 0 until learner 1's new generation heard from the syncer: every
+            launch after that captures it."""
+            while severed and time.monotonic() < severed[0] + 60:
+                if len(learner_1[0].generations) >= 2 and learner_1[0].cut_off_since is None:
+                    return
                 time.sleep(0.02)
 
         # No step cap to speak of: learner 1 trains on while learner 0 waits for it.
+        uncapped = {"max_steps": 100_000}
         outcome = train_pair_through_proxy(
-            syncer.address, proxy, tmp_path, (wait_for_learner_1, sever_once), max_steps=100_000
+            syncer.address, proxy, tmp_path, (wait_for_learner_1, sever_once), (uncapped, uncapped)
         )
         for result in outcome.values():
             if isinstance(result, BaseException):
@@ -501,10 +503,11 @@ def test_a_learner_cut_off_when_the_final_cut_is_taken_is_told_why_it_never_gets
                 proxy.refuse_until = float("inf")
                 assert proxy.sever() > 0
 
+        # Learner 0 runs uncapped to the final cut; learner 1 gives up soon after its cap.
+        options = ({"max_steps": 100_000}, {"max_steps": 3000, "finish_timeout": 5})
         outcome = train_pair_through_proxy(
-            syncer.address, proxy, tmp_path, (None, cut_off_for_good),
-            max_steps=3000, finish_timeout=5,
-        )  # fmt: skip
+            syncer.address, proxy, tmp_path, (None, cut_off_for_good), options
+        )
         assert syncer.wait() == 0, syncer.log_tail()
     assert cut_off, "learner 1 never reached 3 rounds"
     cut_off[0].close()
@@ -516,10 +519,10 @@ def test_a_learner_cut_off_when_the_final_cut_is_taken_is_told_why_it_never_gets
     tape = [json.loads(line) for line in syncer.tape.read_text().splitlines()]
     assert [line["frozen_learners"] for line in tape if line.get("event") == "final_cut"] == [[0]]
     assert isinstance(excluded, FinishTimeout), excluded
-    message = str(excluded)
-    assert "(final state missing)" in message
-    assert "this learner has been cut off from the syncer for the last" in message
-    assert "a final cut taken while it was cut off does not include it" in message
+    assert "(final state missing)" in str(excluded)
+    (note,) = excluded.__notes__
+    assert note.startswith("this learner has been cut off from the syncer for the last "), note
+    assert "if the syncer took its final cut meanwhile, the cut does not include" in note
 
 
 def _committed_steps(tape: Path) -> list[int]:

@@ -350,7 +350,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, termination: _Termin
         learner.finish(stop_when_stuck=not learner.final_ready)
         termination.check()  # one torch swallowed in the artifact's save at the cut
     except LearnerError as exc:
-        text = str(exc)
+        text = failure_line(exc)
         if isinstance(exc, FinishStuck):
             text = _cap_reached(args, learner.stats.global_step)
         elif capped:
@@ -409,6 +409,12 @@ class RoundWatch:
         if global_step != self._global_step:
             self._global_step, self._advanced_at = global_step, now
         return now - self._advanced_at
+
+
+def failure_line(exc: BaseException) -> str:
+    """The one line a learner's failure is reported with: its message and its notes (what
+    ``finish`` kept, the applied cut, or why the cut may never come)."""
+    return "; ".join([str(exc), *getattr(exc, "__notes__", ())])
 
 
 def _cap_reached(args: argparse.Namespace, global_step: int) -> str:

@@ -787,12 +787,13 @@ class Learner:
                         f"within {limit:g} s (final state "
                         f"{'missing' if self.final_global_step is None else 'applied'})"
                         + self._starved_pulls_note()
-                        + self._cut_off_note()
                     ),
                     finishing=True,
                     stop_when_stuck=stop_when_stuck,
                 )
             except LearnerError as exc:
+                if self.final_global_step is None and (note := self._cut_off_note()):
+                    exc.add_note(note)  # at the finish deadline or the redial one, whichever first
                 self._keep_applied_final_state(exc)
                 raise
             self._finished = True
@@ -893,16 +894,24 @@ class Learner:
             f"without training: {advice}"
         )
 
+    @property
+    def cut_off_since(self) -> float | None:
+        """When (``time.monotonic()``) this learner lost the syncer, while it has not heard from
+        it again; None while connected (rank 0 only)."""
+        return self._client.cut_off_since if self._client is not None else None
+
     def _cut_off_note(self) -> str:
-        """Why a learner still redialing at the finish deadline may never get the cut."""
-        since = self._client.cut_off_since if self._client is not None else None
+        """Why a learner still cut off when ``finish`` fails may never get the cut: the syncer
+        freezes only the learners connected at its final cut (spec/learner.md § 7 item 8)."""
+        since = self.cut_off_since
         if since is None or self._client is None:
             return ""
         return (
-            f"; this learner has been cut off from the syncer for the last "
-            f"{time.monotonic() - since:.0f} s (last error: {self._client.last_error or 'none'}):"
-            " a final cut taken while it was cut off does not include it, and that syncer "
-            "finishes without it (its final checkpoint holds the final model)"
+            f"this learner has been cut off from the syncer for the last "
+            f"{time.monotonic() - since:.0f} s (last error: {self._client.last_error or 'none'})"
+            ": if the syncer took its final cut meanwhile, the cut does not include this "
+            "learner and the syncer finishes without it (its checkpoint, if it keeps one, "
+            "holds the final model); otherwise the syncer may have stopped: see its log"
         )
 
     def _warn_of_starved_pulls(self) -> None:

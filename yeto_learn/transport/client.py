@@ -153,8 +153,8 @@ class SyncerClient:
         self.generations: list[int] = []
         #: Why the last dial failed or the last group ended.
         self.last_error = ""
-        #: When (``time.monotonic()``) the last working group was lost; None while one serves.
-        self.cut_off_since: float | None = None
+        #: When (``time.monotonic()``) the last working group was lost.
+        self._lost_at: float | None = None
         #: The epoch of a redialed group whose "reconnected" line waits for its first frame.
         self._unannounced_redial: int | None = None
         #: Each item with the bytes it holds (0 for anything but a syncer's message).
@@ -388,7 +388,7 @@ class SyncerClient:
                 self._ever_served = True
                 delays = 0
                 reconnect_by = time.monotonic() + cfg.reconnect_timeout
-                self.cut_off_since = time.monotonic()
+                self._lost_at = time.monotonic()
                 # Training goes on meanwhile: without a word here only the generation count
                 # would show that the learner was cut off.
                 _log.warning(
@@ -402,6 +402,15 @@ class SyncerClient:
                 if time.monotonic() >= give_up_at():
                     self._fail(self.unreachable())
                     return
+
+    @property
+    def cut_off_since(self) -> float | None:
+        """When (``time.monotonic()``) the syncer was lost, while no redialed group has heard
+        from it yet (a CHUNK slice counts: a catch-up BCAST may take minutes); else None."""
+        group = self._group
+        if group is not None and group.received_any:
+            return None
+        return self._lost_at
 
     def unreachable(self) -> SyncerUnreachable:
         """The error for a syncer that could not be reached (again) in time."""
@@ -569,7 +578,6 @@ class SyncerClient:
 
     def _deliver(self, epoch: int, message: AnyMessage) -> None:
         self._announce_redial(epoch)
-        self.cut_off_since = None
         self._post(Received(epoch, message), _held_bytes(message))
         if isinstance(message, ErrorMessage | Shutdown):
             # ERROR is fatal and SHUTDOWN completes the run: neither is followed by a redial.
