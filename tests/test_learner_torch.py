@@ -57,6 +57,10 @@ def eval_loss(model: torch.nn.Module) -> float:
         return float(((prediction - EVAL_X @ TARGET) ** 2).mean())
 
 
+#: Called after each local step with the learner and its step count.
+Hook = Callable[[Learner, int], None]
+
+
 @dataclass
 class Trained:
     model: torch.nn.Module
@@ -76,7 +80,7 @@ def train(
     wire_dtype: str = "f32",
     param_dtype: torch.dtype = torch.float32,
     max_steps: int = 4000,
-    on_step: Callable[[Learner, int], None] | None = None,
+    on_step: Hook | None = None,
     fragments: int = 3,
     finish_timeout: float = 60,
 ) -> Trained:
@@ -344,8 +348,11 @@ def test_misuse_is_refused_before_anything_changes(tmp_path: Path) -> None:
 class SeverableProxy:
     """A TCP relay to the syncer whose connections the test can cut at once."""
 
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
+    def __init__(self, upstream: str) -> None:
+        """``upstream``: the syncer's ``HOST:PORT``."""
+        self.upstream_address = upstream
+        host, port = upstream.rsplit(":", 1)
+        self.upstream = (host, int(port))
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self._sockets: list[socket.socket] = []
@@ -401,11 +408,7 @@ class SeverableProxy:
         self.sever()
 
 
-Hook = Callable[[Learner, int], None]
-
-
 def train_pair_through_proxy(
-    syncer_address: str,
     proxy: SeverableProxy,
     out: Path,
     hooks: tuple[Hook | None, Hook | None],
@@ -421,7 +424,7 @@ def train_pair_through_proxy(
             outcome[i] = exc
 
     threads = [
-        threading.Thread(target=run, args=(0, syncer_address)),
+        threading.Thread(target=run, args=(0, proxy.upstream_address)),
         threading.Thread(target=run, args=(1, proxy.address)),
     ]
     for thread in threads:
@@ -443,8 +446,7 @@ def test_a_severed_learner_redials_with_a_new_generation_and_the_session_finishe
     # cut would be taken without learner 1 (which is the next test).
     extra = ["--sync-interval-steps", "8", "--quorum", "2", "--quorum-timeout-s", "3"]
     with running_syncer(tmp_path / "syncer", learners=2, total_steps=18, extra=extra) as syncer:
-        host, port = syncer.address.rsplit(":", 1)
-        proxy = SeverableProxy((host, int(port)))
+        proxy = SeverableProxy(syncer.address)
         severed: list[float] = []
         learner_1: list[Learner] = []
 
@@ -466,7 +468,7 @@ def test_a_severed_learner_redials_with_a_new_generation_and_the_session_finishe
         # No step cap to speak of: learner 1 trains on while learner 0 waits for it.
         uncapped = {"max_steps": 100_000}
         outcome = train_pair_through_proxy(
-            syncer.address, proxy, tmp_path, (wait_for_learner_1, sever_once), (uncapped, uncapped)
+            proxy, tmp_path, (wait_for_learner_1, sever_once), (uncapped, uncapped)
         )
         for result in outcome.values():
             if isinstance(result, BaseException):
@@ -493,8 +495,7 @@ def test_a_learner_cut_off_when_the_final_cut_is_taken_is_told_why_it_never_gets
     # (each round is retried with the members connected then) and the cut freezes only it.
     extra = ["--sync-interval-steps", "8", "--quorum", "2", "--quorum-timeout-s", "2"]
     with running_syncer(tmp_path / "syncer", learners=2, total_steps=12, extra=extra) as syncer:
-        host, port = syncer.address.rsplit(":", 1)
-        proxy = SeverableProxy((host, int(port)))
+        proxy = SeverableProxy(syncer.address)
         cut_off: list[Learner] = []
 
         def cut_off_for_good(learner: Learner, step: int) -> None:
@@ -505,9 +506,7 @@ def test_a_learner_cut_off_when_the_final_cut_is_taken_is_told_why_it_never_gets
 
         # Learner 0 runs uncapped to the final cut; learner 1 gives up soon after its cap.
         options = ({"max_steps": 100_000}, {"max_steps": 3000, "finish_timeout": 5})
-        outcome = train_pair_through_proxy(
-            syncer.address, proxy, tmp_path, (None, cut_off_for_good), options
-        )
+        outcome = train_pair_through_proxy(proxy, tmp_path, (None, cut_off_for_good), options)
         assert syncer.wait() == 0, syncer.log_tail()
     assert cut_off, "learner 1 never reached 3 rounds"
     cut_off[0].close()
@@ -598,8 +597,7 @@ def test_a_budget_report_made_after_a_group_is_lost_goes_to_the_redialed_group(
     budget = 5
     extra = ["--learner-budget-steps", str(budget), "--sync-interval-steps", "64"]
     with running_syncer(tmp_path / "syncer", learners=1, total_steps=1000, extra=extra) as syncer:
-        host, port = syncer.address.rsplit(":", 1)
-        proxy = SeverableProxy((host, int(port)))
+        proxy = SeverableProxy(syncer.address)
         learner = Learner(regression_model(), syncer=proxy.address, learner_id=0,
                           num_learners=1, fragments=2, budget_steps=budget,
                           connect_timeout=30, reconnect_timeout=30)  # fmt: skip
@@ -646,8 +644,7 @@ def test_a_budget_report_that_comes_back_unsent_is_resent_once_on_the_redialed_g
     extra = ["--learner-budget-steps", str(budget), "--sync-interval-steps", "64"]
     sent_on: list[int] = []  # the epoch each BUDGET_DONE was queued for
     with running_syncer(tmp_path / "syncer", learners=1, total_steps=1000, extra=extra) as syncer:
-        host, port = syncer.address.rsplit(":", 1)
-        proxy = SeverableProxy((host, int(port)))
+        proxy = SeverableProxy(syncer.address)
         learner = Learner(regression_model(), syncer=proxy.address, learner_id=0,
                           num_learners=1, fragments=2, streams=0, budget_steps=budget,
                           connect_timeout=30, reconnect_timeout=30)  # fmt: skip

@@ -387,8 +387,8 @@ class SyncerClient:
                 self._announce_redial(self._epoch)
                 self._ever_served = True
                 delays = 0
-                reconnect_by = time.monotonic() + cfg.reconnect_timeout
                 self._lost_at = time.monotonic()
+                reconnect_by = self._lost_at + cfg.reconnect_timeout
                 # Training goes on meanwhile: without a word here only the generation count
                 # would show that the learner was cut off.
                 _log.warning(
